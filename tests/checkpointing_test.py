@@ -1,0 +1,152 @@
+"""Tests for transformer_jax.checkpointing (tiny arrays; CPU)."""
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax.training import train_state
+
+from transformer_jax.checkpointing import Checkpointer
+
+
+class KeyedTrainState(train_state.TrainState):
+  """TrainState plus a dropout key, as the training loop carries one."""
+  dropout_key: jax.Array
+
+
+def _make_state(seed: int = 0, step: int = 0) -> KeyedTrainState:
+  rng = np.random.default_rng(seed)
+  params = {
+      'dense': {'kernel': jnp.asarray(rng.normal(size=(3, 4)), jnp.float32),
+                'bias': jnp.asarray(rng.normal(size=(4,)), jnp.float32)},
+      'embed': jnp.asarray(rng.normal(size=(5, 2)), jnp.bfloat16),
+  }
+  state = KeyedTrainState.create(
+      apply_fn=lambda p, x: x, params=params, tx=optax.adam(1e-3),
+      dropout_key=jax.random.PRNGKey(seed))
+  # Take one optimizer step so opt_state moments are non-trivial.
+  grads = jax.tree.map(jnp.ones_like, params)
+  state = state.apply_gradients(grads=grads)
+  return state.replace(step=jnp.asarray(step, jnp.int32))
+
+
+def _abstract(state, sharding=None):
+  """Abstract tree with a sharding attached to every leaf."""
+  sharding = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  return jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x),
+                                     sharding=sharding), state)
+
+
+def _assert_trees_equal(a, b):
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    assert jnp.result_type(x) == jnp.result_type(y)
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_round_trip(tmp_path):
+  state = _make_state(seed=1, step=7)
+  data_state = {'epoch': 2, 'position': 12345, 'name': 'train'}
+  with Checkpointer(str(tmp_path)) as ckpt:
+    assert ckpt.save(7, state, data_state)
+    ckpt.wait_until_finished()
+    restored, restored_data = ckpt.restore(_abstract(state))
+  _assert_trees_equal(restored, state)
+  assert restored_data == data_state
+  # Static fields come from the abstract tree, so the restored state is usable.
+  assert restored.tx is state.tx and restored.apply_fn is state.apply_fn
+
+
+def test_keep_and_restore_specific_step(tmp_path):
+  states = {s: _make_state(seed=s, step=s) for s in (1, 2, 3)}
+  with Checkpointer(str(tmp_path), keep=2) as ckpt:
+    for s, st in states.items():
+      ckpt.save(s, st, {'position': s})
+    ckpt.wait_until_finished()
+    assert ckpt.all_steps() == [2, 3]
+    assert ckpt.latest_step() == 3
+    restored, data = ckpt.restore(_abstract(states[2]), step=2)
+    _assert_trees_equal(restored, states[2])
+    assert data == {'position': 2}
+    with pytest.raises(FileNotFoundError, match='step 1'):
+      ckpt.restore(_abstract(states[1]), step=1)
+
+
+def test_restore_params_only(tmp_path):
+  state = _make_state(seed=4, step=4)
+  with Checkpointer(str(tmp_path), async_save=False) as ckpt:
+    ckpt.save(4, state)
+    params = ckpt.restore_params(_abstract(state.params))
+    _, data = ckpt.restore(_abstract(state))
+  _assert_trees_equal(params, state.params)
+  assert data == {}
+
+
+def test_missing_checkpoint_raises(tmp_path):
+  directory = str(tmp_path / 'empty')
+  with Checkpointer(directory) as ckpt:
+    assert ckpt.latest_step() is None and ckpt.all_steps() == []
+    with pytest.raises(FileNotFoundError, match='no checkpoint in') as err:
+      ckpt.restore(_abstract(_make_state()))
+    assert directory in str(err.value)
+    with pytest.raises(FileNotFoundError, match=re.escape(directory)):
+      ckpt.restore_params({'w': jax.ShapeDtypeStruct((1,), jnp.float32)})
+
+
+# Runs in a fresh interpreter: the fake device count must be fixed before jax
+# initialises its backend, and this test process already has 1 CPU device.
+_CROSS_LAYOUT_SCRIPT = textwrap.dedent("""
+    import sys
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from transformer_jax.checkpointing import Checkpointer
+
+    assert jax.device_count() == 8, jax.devices()
+    mesh8 = Mesh(np.array(jax.devices()), ('data',))
+    mesh1 = Mesh(np.array(jax.devices()[:1]), ('data',))
+    value = np.arange(32, dtype=np.float32).reshape(8, 4)
+    sharded = jax.device_put(value, NamedSharding(mesh8, P('data')))
+    state = {'params': {'w': sharded}, 'step': jnp.asarray(3, jnp.int32)}
+    ckpt = Checkpointer(sys.argv[1])
+    ckpt.save(3, state, {'position': 9})
+    ckpt.wait_until_finished()
+
+    def abstract(sharding):
+      return jax.tree.map(
+          lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+          state)
+    for target in (NamedSharding(mesh1, P()), NamedSharding(mesh8, P())):
+      restored, data = ckpt.restore(abstract(target))
+      assert data == {'position': 9}
+      w = restored['params']['w']
+      assert w.sharding == target, (w.sharding, target)
+      np.testing.assert_array_equal(np.asarray(w), value)
+      assert int(restored['step']) == 3
+      params = ckpt.restore_params(abstract(target)['params'])
+      np.testing.assert_array_equal(np.asarray(params['w']), value)
+      assert params['w'].sharding == target
+    ckpt.close()
+    print('CROSS_LAYOUT_OK')
+""")
+
+
+def test_cross_layout_restore(tmp_path):
+  env = dict(os.environ)
+  env['XLA_FLAGS'] = (env.get('XLA_FLAGS', '') +
+                      ' --xla_force_host_platform_device_count=8').strip()
+  env['JAX_PLATFORMS'] = 'cpu'
+  repo_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env['PYTHONPATH'] = repo_root + os.pathsep + env.get('PYTHONPATH', '')
+  result = subprocess.run(
+      [sys.executable, '-c', _CROSS_LAYOUT_SCRIPT, str(tmp_path / 'ckpt')],
+      env=env, capture_output=True, text=True, timeout=120)
+  assert result.returncode == 0, result.stderr[-4000:]
+  assert 'CROSS_LAYOUT_OK' in result.stdout

@@ -1,0 +1,26 @@
+"""Trains a Transformer: `python train.py --workdir=DIR [--config=configs/default.py]`.
+
+Any config field can be overridden, e.g. `--config.num_train_steps=100`. Rerunning the same
+command resumes from the workdir's latest checkpoint.
+"""
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from transformer_jax import train_lib
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string('workdir', None, 'Directory for checkpoints, vocabulary, config and logs.')
+config_flags.DEFINE_config_file('config', 'configs/default.py', 'Training configuration file.',
+                                lock_config=True)
+flags.mark_flags_as_required(['workdir'])
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+  train_lib.train_and_evaluate(FLAGS.config, FLAGS.workdir)
+
+
+if __name__ == '__main__':
+  app.run(main)

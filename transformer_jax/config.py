@@ -1,0 +1,110 @@
+"""`TransformerConfig`: the model's hyperparameters, frozen and validated once.
+
+The field names mirror the paper's notation where it has one (d_model, d_ff, h -> num_heads,
+d_k -> qk_dim, d_v -> v_dim, P_drop -> dropout_rate).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+
+_DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16, 'float16': jnp.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+  """Hyperparameters of the encoder-decoder Transformer.
+
+  Defaults are the paper's base model (Vaswani et al., 2017, Table 3, row "base").
+  """
+
+  vocab_size: int
+  d_model: int = 512
+  d_ff: int = 2048
+  num_heads: int = 8
+  num_encoder_layers: int = 6
+  num_decoder_layers: int = 6
+  # Per-head query/key size d_k and value size d_v; None means d_model // num_heads.
+  qk_dim: int | None = None
+  v_dim: int | None = None
+  # Dropout on each sub-layer output and on embeddings + positions (P_drop).
+  dropout_rate: float = 0.1
+  # Dropout on the attention weights. The paper does not use it; tensor2tensor's default is 0.
+  attention_dropout_rate: float = 0.0
+  # One matrix for source embedding, target embedding and the pre-softmax projection.
+  share_embeddings: bool = True
+  # False: LayerNorm(x + Dropout(Sublayer(x))) as in the paper. True: x + Dropout(Sublayer(LN(x))).
+  pre_norm: bool = False
+  # False: sinusoidal positional encoding. True: learned position embeddings (Table 3, row E).
+  learned_positions: bool = False
+  # Longest sequence (source or target) the model accepts; sizes learned positions and the cache.
+  max_len: int = 256
+  # Compute dtype of activations and matmuls; parameters always stay float32.
+  dtype: str = 'float32'
+  layer_norm_epsilon: float = 1e-6
+  # Rematerialise each layer's activations in the backward pass (saves memory, costs compute).
+  remat: bool = False
+
+  def __post_init__(self):
+    for name in ('vocab_size', 'd_model', 'd_ff', 'num_heads', 'num_encoder_layers',
+                 'num_decoder_layers', 'max_len'):
+      value = getattr(self, name)
+      if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f'TransformerConfig.{name} must be a positive integer, got {value!r}')
+    for name in ('qk_dim', 'v_dim'):
+      value = getattr(self, name)
+      if value is not None and (not isinstance(value, int) or value <= 0):
+        raise ValueError(f'TransformerConfig.{name} must be a positive integer or None, '
+                         f'got {value!r}')
+    if (self.qk_dim is None or self.v_dim is None) and self.d_model % self.num_heads:
+      raise ValueError(
+          f'TransformerConfig.d_model={self.d_model} is not divisible by '
+          f'num_heads={self.num_heads}; set qk_dim and v_dim explicitly or change the sizes')
+    for name in ('dropout_rate', 'attention_dropout_rate'):
+      value = getattr(self, name)
+      if not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+        raise ValueError(f'TransformerConfig.{name} must be in [0, 1), got {value!r}')
+    if self.dtype not in _DTYPES:
+      raise ValueError(f'TransformerConfig.dtype must be one of {sorted(_DTYPES)}, '
+                       f'got {self.dtype!r}')
+
+  @property
+  def head_qk_dim(self) -> int:
+    return self.qk_dim if self.qk_dim is not None else self.d_model // self.num_heads
+
+  @property
+  def head_v_dim(self) -> int:
+    return self.v_dim if self.v_dim is not None else self.d_model // self.num_heads
+
+  @property
+  def compute_dtype(self) -> Any:
+    return _DTYPES[self.dtype]
+
+  def replace(self, **changes) -> 'TransformerConfig':
+    return dataclasses.replace(self, **changes)
+
+  def to_dict(self) -> dict:
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_dict(cls, fields: dict) -> 'TransformerConfig':
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+      raise ValueError(f'unknown TransformerConfig field(s): {", ".join(unknown)}')
+    return cls(**fields)
+
+  @classmethod
+  def base(cls, vocab_size: int, **changes) -> 'TransformerConfig':
+    """The paper's base model: N=6, d_model=512, d_ff=2048, h=8, P_drop=0.1 (~65M params)."""
+    return cls(vocab_size=vocab_size, **changes)
+
+  @classmethod
+  def big(cls, vocab_size: int, **changes) -> 'TransformerConfig':
+    """The paper's big model: N=6, d_model=1024, d_ff=4096, h=16, P_drop=0.3 (~213M params)."""
+    fields = dict(d_model=1024, d_ff=4096, num_heads=16, dropout_rate=0.3)
+    fields.update(changes)
+    return cls(vocab_size=vocab_size, **fields)

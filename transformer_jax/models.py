@@ -1,0 +1,389 @@
+"""The Transformer of "Attention Is All You Need" (Vaswani et al., 2017) as Flax linen modules.
+
+Every parameter carries logical axis names (`nn.with_logical_partitioning`) so that a mesh and
+a set of rules in the training config decide how it is sharded; the model itself never names
+a device axis. Layers of a stack are one `nn.scan`ned module (parameters stacked on a leading
+'layers' axis), which compiles one layer instead of N.
+
+Shapes use: b = batch, s = source length, t = target length, h = heads, d = head size,
+m = d_model, v = vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from transformer_jax.config import TransformerConfig
+
+PAD_ID = 0
+# Added to masked attention logits. Finite so a fully masked row gives a uniform softmax, not NaN.
+_MASK_VALUE = -1e9
+
+_zeros = nn.initializers.zeros_init()
+_ones = nn.initializers.ones_init()
+
+
+def _logical(init, names):
+  return nn.with_logical_partitioning(init, names)
+
+
+class Projection(nn.Module):
+  """A linear map from the last `num_in_axes` input axes to `features` (a dense layer whose
+  kernel keeps its multi-axis shape, e.g. [embed, heads, kv], so each axis has a logical name).
+
+  Xavier-uniform over the true fans (fan_in = product of input axes, fan_out = product of
+  output axes), as for the equivalent 2-D matrix.
+  """
+
+  features: tuple[int, ...]
+  num_in_axes: int
+  kernel_axes: tuple[str, ...]
+  dtype: object = jnp.float32
+  use_bias: bool = True
+
+  @nn.compact
+  def __call__(self, x):
+    in_shape = x.shape[-self.num_in_axes:]
+    in_axes = tuple(range(self.num_in_axes))
+    out_axes = tuple(range(self.num_in_axes, self.num_in_axes + len(self.features)))
+    init = nn.initializers.variance_scaling(1.0, 'fan_avg', 'uniform', in_axis=in_axes,
+                                            out_axis=out_axes)
+    kernel = self.param('kernel', _logical(init, self.kernel_axes),
+                        (*in_shape, *self.features), jnp.float32)
+    x, kernel = x.astype(self.dtype), kernel.astype(self.dtype)
+    y = jax.lax.dot_general(x, kernel, (((tuple(range(x.ndim - self.num_in_axes, x.ndim))),
+                                         in_axes), ((), ())))
+    if self.use_bias:
+      bias = self.param('bias', _logical(_zeros, self.kernel_axes[self.num_in_axes:]),
+                        self.features, jnp.float32)
+      y = y + bias.astype(self.dtype)
+    return y
+
+
+def sinusoidal_positions(positions: jax.Array, d_model: int) -> jax.Array:
+  """PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(...). [b, t] -> [b, t, m]."""
+  half = d_model // 2
+  inverse_timescale = np.exp(-math.log(10000.0) * np.arange(half) * 2.0 / d_model)
+  angles = positions[..., None].astype(jnp.float32) * inverse_timescale  # [b, t, m/2]
+  # Interleave so that even features are sines and odd features cosines, as in the paper.
+  encoding = jnp.stack([jnp.sin(angles), jnp.cos(angles)], axis=-1)  # [b, t, m/2, 2]
+  encoding = encoding.reshape(*positions.shape, 2 * half)  # [b, t, m] (m even)
+  if d_model % 2:
+    encoding = jnp.pad(encoding, [(0, 0)] * positions.ndim + [(0, 1)])
+  return encoding
+
+
+def padding_mask(query_ids: jax.Array, key_ids: jax.Array) -> jax.Array:
+  """True where attention is allowed: key is a real token. [b, 1, q, k] (broadcast over heads)."""
+  del query_ids  # Outputs at padded query positions are ignored downstream.
+  return (key_ids != PAD_ID)[:, None, None, :]
+
+
+def causal_padding_mask(target_ids: jax.Array) -> jax.Array:
+  """Decoder self-attention mask: key is a real token at or before the query. [b, 1, t, t]."""
+  length = target_ids.shape[1]
+  causal = jnp.tril(jnp.ones((length, length), dtype=bool))
+  return padding_mask(target_ids, target_ids) & causal[None, None]
+
+
+def dot_product_attention_weights(query, key, mask, dtype=jnp.float32):
+  """softmax(Q K^T / sqrt(d_k)) with masked entries at ~zero weight. -> [b, h, q, k] float32."""
+  depth = query.shape[-1]
+  query = query / jnp.sqrt(depth).astype(query.dtype)
+  logits = jnp.einsum('bqhd,bkhd->bhqk', query, key, preferred_element_type=jnp.float32)
+  if mask is not None:
+    logits = jnp.where(mask, logits, _MASK_VALUE)
+  # Softmax statistics in float32 whatever the compute dtype.
+  return jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+
+
+class MultiHeadAttention(nn.Module):
+  """Multi-head attention with separate per-head query/key size and value size.
+
+  In cached decoding (`use_cache=True`) self-attention appends this step's key/value to a cache
+  of shape [b, max_t, h, d]; cross-attention projects the encoder output to keys/values once,
+  when the cache is created, and reuses them at every step.
+  """
+
+  config: TransformerConfig
+  kind: str  # 'self' or 'cross': decides what the cache holds.
+
+  @nn.compact
+  def __call__(self, query_inputs, kv_inputs, mask, deterministic: bool,
+               use_cache: bool = False, decode_position=None):
+    cfg = self.config
+    dtype = cfg.compute_dtype
+
+    def projection(features, name):
+      return Projection((cfg.num_heads, features), 1, ('embed', 'heads', 'kv'), dtype, name=name)
+
+    query = projection(cfg.head_qk_dim, 'query')(query_inputs)  # [b, q, h, d_k]
+
+    if use_cache and self.kind == 'cross':
+      # The projections run only when the cache is created (the init functions below).
+      cross_key = self.variable('cache', 'cross_key',
+                                lambda: projection(cfg.head_qk_dim, 'key')(kv_inputs))
+      cross_value = self.variable('cache', 'cross_value',
+                                  lambda: projection(cfg.head_v_dim, 'value')(kv_inputs))
+      key, value = cross_key.value, cross_value.value
+    else:
+      key = projection(cfg.head_qk_dim, 'key')(kv_inputs)  # [b, k, h, d_k]
+      value = projection(cfg.head_v_dim, 'value')(kv_inputs)  # [b, k, h, d_v]
+
+    if use_cache and self.kind == 'self':
+      cache_exists = self.has_variable('cache', 'cached_key')
+      batch, max_length = query_inputs.shape[0], query_inputs.shape[1]
+      cached_key = self.variable('cache', 'cached_key', jnp.zeros,
+                                 (batch, max_length, cfg.num_heads, cfg.head_qk_dim), key.dtype)
+      cached_value = self.variable('cache', 'cached_value', jnp.zeros,
+                                   (batch, max_length, cfg.num_heads, cfg.head_v_dim),
+                                   value.dtype)
+      if cache_exists:
+        # One new position per call: write it at decode_position, attend to positions <= it.
+        if query_inputs.shape[1] != 1:
+          raise ValueError('cached decoding takes one target position per call, got '
+                           f'{query_inputs.shape[1]}')
+        index = decode_position.astype(jnp.int32)
+        zero = jnp.zeros((), jnp.int32)
+        key = jax.lax.dynamic_update_slice(cached_key.value, key, (zero, index, zero, zero))
+        value = jax.lax.dynamic_update_slice(cached_value.value, value,
+                                             (zero, index, zero, zero))
+        cached_key.value, cached_value.value = key, value
+        max_length = key.shape[1]
+        mask = (jnp.arange(max_length) <= index)[None, None, None, :]  # [1, 1, 1, max_t]
+
+    weights = dot_product_attention_weights(query, key, mask)  # [b, h, q, k]
+    self.sow('intermediates', 'attention_weights', weights)
+    if cfg.attention_dropout_rate > 0.0 and not deterministic:
+      weights = nn.Dropout(cfg.attention_dropout_rate)(weights, deterministic=False)
+    heads = jnp.einsum('bhqk,bkhd->bqhd', weights.astype(dtype), value.astype(dtype))
+    return Projection((cfg.d_model,), 2, ('heads', 'kv', 'embed'), dtype,
+                      name='out')(heads)  # [b, q, m]
+
+
+class FeedForward(nn.Module):
+  """Position-wise FFN: Linear(d_model -> d_ff) -> ReLU -> Linear(d_ff -> d_model)."""
+
+  config: TransformerConfig
+
+  @nn.compact
+  def __call__(self, x):
+    cfg = self.config
+    hidden = Projection((cfg.d_ff,), 1, ('embed', 'mlp'), cfg.compute_dtype, name='wi')(x)
+    hidden = nn.relu(hidden)
+    return Projection((cfg.d_model,), 1, ('mlp', 'embed'), cfg.compute_dtype,
+                      name='wo')(hidden)
+
+
+def _layer_norm(cfg: TransformerConfig, name: str):
+  # Statistics in float32 (Flax upcasts), output in the compute dtype.
+  return nn.LayerNorm(epsilon=cfg.layer_norm_epsilon, dtype=cfg.compute_dtype,
+                      scale_init=_logical(_ones, ('embed',)),
+                      bias_init=_logical(_zeros, ('embed',)), name=name)
+
+
+class _Residual(nn.Module):
+  """Wraps a sub-layer: post-LN `LN(x + Dropout(f(x)))` or pre-LN `x + Dropout(f(LN(x)))`."""
+
+  config: TransformerConfig
+
+  @nn.compact
+  def __call__(self, x, sublayer, deterministic: bool):
+    cfg = self.config
+    norm = _layer_norm(cfg, 'norm')
+    dropout = nn.Dropout(cfg.dropout_rate)
+    if cfg.pre_norm:
+      return x + dropout(sublayer(norm(x)), deterministic=deterministic)
+    return norm(x + dropout(sublayer(x), deterministic=deterministic))
+
+
+class EncoderLayer(nn.Module):
+  config: TransformerConfig
+
+  @nn.compact
+  def __call__(self, x, mask, deterministic: bool):
+    cfg = self.config
+    attention = MultiHeadAttention(cfg, kind='self', name='self_attention')
+    x = _Residual(cfg, name='attention_block')(
+        x, lambda y: attention(y, y, mask, deterministic), deterministic)
+    x = _Residual(cfg, name='ffn_block')(x, FeedForward(cfg, name='ffn'), deterministic)
+    x = nn.with_logical_constraint(x, ('activation_batch', 'activation_length', 'activation_embed'))
+    return x, None  # (carry, per-layer output) for nn.scan
+
+
+class DecoderLayer(nn.Module):
+  config: TransformerConfig
+
+  @nn.compact
+  def __call__(self, x, encoded, self_mask, cross_mask, decode_position,
+               deterministic: bool, use_cache: bool):
+    cfg = self.config
+    self_attention = MultiHeadAttention(cfg, kind='self', name='self_attention')
+    cross_attention = MultiHeadAttention(cfg, kind='cross', name='cross_attention')
+    x = _Residual(cfg, name='self_attention_block')(
+        x, lambda y: self_attention(y, y, self_mask, deterministic, use_cache, decode_position),
+        deterministic)
+    x = _Residual(cfg, name='cross_attention_block')(
+        x, lambda y: cross_attention(y, encoded, cross_mask, deterministic, use_cache),
+        deterministic)
+    x = _Residual(cfg, name='ffn_block')(x, FeedForward(cfg, name='ffn'), deterministic)
+    x = nn.with_logical_constraint(x, ('activation_batch', 'activation_length', 'activation_embed'))
+    return x, None
+
+
+def _stacked(layer_class, cfg: TransformerConfig, num_layers: int, num_broadcast_args: int,
+             num_static_args: int, name: str):
+  """N copies of a layer as one scanned module; parameters get a leading 'layers' axis."""
+  if cfg.remat:
+    # The trailing Python-bool arguments must stay static under remat.
+    layer_class = nn.remat(layer_class, prevent_cse=False,
+                           static_argnums=tuple(range(-num_static_args, 0)))
+  return nn.scan(
+      layer_class,
+      # The cache is stacked on axis 1 so every cache array keeps batch as its leading axis,
+      # which is what beam search's batch reshaping expects.
+      variable_axes={'params': 0, 'cache': 1, 'intermediates': 0},
+      split_rngs={'params': True, 'dropout': True},
+      in_axes=(nn.broadcast,) * num_broadcast_args,
+      length=num_layers,
+      metadata_params={nn.PARTITION_NAME: 'layers'},
+  )(cfg, name=name)
+
+
+class Embedder(nn.Module):
+  """Token embedding x sqrt(d_model) + positional encoding, then dropout."""
+
+  config: TransformerConfig
+  token_embedding: nn.Module
+
+  @nn.compact
+  def __call__(self, ids, positions, deterministic: bool):
+    cfg = self.config
+    x = self.token_embedding(ids) * jnp.sqrt(cfg.d_model).astype(cfg.compute_dtype)
+    if cfg.learned_positions:
+      table = self.param('position_embedding',
+                         _logical(nn.initializers.normal(stddev=cfg.d_model ** -0.5),
+                                  ('length', 'embed')), (cfg.max_len, cfg.d_model))
+      x = x + jnp.take(table, positions, axis=0).astype(cfg.compute_dtype)
+    else:
+      x = x + sinusoidal_positions(positions, cfg.d_model).astype(cfg.compute_dtype)
+    return nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
+
+
+def _token_embedding(cfg: TransformerConfig, name: str) -> nn.Embed:
+  # Normal(0, d_model^-0.5) so that after the sqrt(d_model) scale embeddings have unit variance,
+  # matching the scale of the positional encoding (tensor2tensor's choice for shared weights).
+  return nn.Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.compute_dtype,
+                  embedding_init=_logical(nn.initializers.normal(stddev=cfg.d_model ** -0.5),
+                                          ('vocab', 'embed')), name=name)
+
+
+class _DecodePosition(nn.Module):
+  """Cached decoding's step counter: None on the call that creates the cache, else the index."""
+
+  @nn.compact
+  def __call__(self):
+    exists = self.has_variable('cache', 'index')
+    index = self.variable('cache', 'index', lambda: jnp.zeros((), jnp.int32))
+    if not exists:
+      return None
+    current = index.value
+    index.value = current + 1
+    return current
+
+
+class Transformer(nn.Module):
+  """Encoder-decoder Transformer. `apply({'params': p}, src_ids, tgt_in_ids) -> logits`.
+
+  src_ids [b, s] and tgt_in_ids [b, t] are int token ids with padding id 0; tgt_in_ids is the
+  target shifted right (starting with BOS). Logits are float32 [b, t, vocab_size].
+  """
+
+  config: TransformerConfig
+
+  def setup(self):
+    cfg = self.config
+    if cfg.share_embeddings:
+      shared = _token_embedding(cfg, 'shared_embedding')
+      source_embedding = target_embedding = shared
+      self.output_embedding = shared
+    else:
+      source_embedding = _token_embedding(cfg, 'source_embedding')
+      target_embedding = _token_embedding(cfg, 'target_embedding')
+      self.output_projection = Projection((cfg.vocab_size,), 1, ('embed', 'vocab'),
+                                          cfg.compute_dtype, use_bias=False,
+                                          name='output_projection')
+    self.source_embedder = Embedder(cfg, source_embedding, name='source_embedder')
+    self.target_embedder = Embedder(cfg, target_embedding, name='target_embedder')
+    self.encoder_layers = _stacked(EncoderLayer, cfg, cfg.num_encoder_layers,
+                                   num_broadcast_args=2, num_static_args=1,
+                                   name='encoder_layers')
+    self.decoder_layers = _stacked(DecoderLayer, cfg, cfg.num_decoder_layers,
+                                   num_broadcast_args=6, num_static_args=2,
+                                   name='decoder_layers')
+    self.decode_position = _DecodePosition(name='decode_position')
+    if cfg.pre_norm:
+      # Pre-LN leaves the residual stream unnormalised; normalise each stack's output once.
+      self.encoder_norm = _layer_norm(cfg, 'encoder_norm')
+      self.decoder_norm = _layer_norm(cfg, 'decoder_norm')
+
+  def encode(self, src_ids, *, deterministic: bool = True):
+    """Source ids [b, s] -> encoder output [b, s, m]."""
+    self._check_length(src_ids, 'source')
+    positions = jnp.broadcast_to(jnp.arange(src_ids.shape[1]), src_ids.shape)
+    x = self.source_embedder(src_ids, positions, deterministic)
+    x, _ = self.encoder_layers(x, padding_mask(src_ids, src_ids), deterministic)
+    if self.config.pre_norm:
+      x = self.encoder_norm(x)
+    return x
+
+  def decode(self, encoded, src_ids, tgt_in_ids, *, deterministic: bool = True,
+             use_cache: bool = False):
+    """Decoder: (encoder output [b, s, m], source ids, target inputs [b, t]) -> logits [b, t, v].
+
+    With use_cache=True the first call creates the cache (its target length is the longest
+    decodable length) and later calls take one token [b, 1] each and advance the cache by one.
+    """
+    cfg = self.config
+    cross_mask = padding_mask(tgt_in_ids, src_ids)
+    if use_cache:
+      decode_position = self.decode_position()
+      if decode_position is not None:
+        positions = jnp.broadcast_to(decode_position, tgt_in_ids.shape)
+        self_mask = None  # Built from the cache position inside the attention.
+      else:
+        positions = jnp.broadcast_to(jnp.arange(tgt_in_ids.shape[1]), tgt_in_ids.shape)
+        self_mask = causal_padding_mask(tgt_in_ids)
+    else:
+      self._check_length(tgt_in_ids, 'target')
+      decode_position = None
+      positions = jnp.broadcast_to(jnp.arange(tgt_in_ids.shape[1]), tgt_in_ids.shape)
+      self_mask = causal_padding_mask(tgt_in_ids)
+    x = self.target_embedder(tgt_in_ids, positions, deterministic)
+    x, _ = self.decoder_layers(x, encoded, self_mask, cross_mask, decode_position,
+                               deterministic, use_cache)
+    if cfg.pre_norm:
+      x = self.decoder_norm(x)
+    if cfg.share_embeddings:
+      logits = self.output_embedding.attend(x)
+    else:
+      logits = self.output_projection(x)
+    return logits.astype(jnp.float32)
+
+  def __call__(self, src_ids, tgt_in_ids, *, deterministic: bool = True):
+    encoded = self.encode(src_ids, deterministic=deterministic)
+    return self.decode(encoded, src_ids, tgt_in_ids, deterministic=deterministic)
+
+  def _check_length(self, ids, what):
+    if ids.shape[1] > self.config.max_len:
+      raise ValueError(f'{what} length {ids.shape[1]} exceeds TransformerConfig.max_len='
+                       f'{self.config.max_len}')
+
+
+def count_params(params) -> int:
+  return sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(params))

@@ -1,0 +1,31 @@
+"""The paper's optimiser: Adam(0.9, 0.98, 1e-9) with the inverse-square-root warmup schedule."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import optax
+
+
+def rsqrt_schedule(d_model: int, warmup_steps: int, scale: float = 1.0) -> optax.Schedule:
+  """lr(step) = scale * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5), step counted from 1.
+
+  optax calls the schedule with the number of updates already applied (0 for the first), so the
+  paper's step number is count + 1; otherwise the first update would have a learning rate of 0.
+  """
+
+  def schedule(count):
+    step = jnp.asarray(count, jnp.float32) + 1.0
+    return scale * d_model ** -0.5 * jnp.minimum(step ** -0.5, step * warmup_steps ** -1.5)
+
+  return schedule
+
+
+def make_optimizer(*, d_model: int, warmup_steps: int, learning_rate_scale: float = 1.0,
+                   b1: float = 0.9, b2: float = 0.98, eps: float = 1e-9,
+                   grad_clip_norm: float = 0.0) -> tuple[optax.GradientTransformation,
+                                                          optax.Schedule]:
+  schedule = rsqrt_schedule(d_model, warmup_steps, learning_rate_scale)
+  optimizer = optax.adam(schedule, b1=b1, b2=b2, eps=eps)
+  if grad_clip_norm > 0:
+    optimizer = optax.chain(optax.clip_by_global_norm(grad_clip_norm), optimizer)
+  return optimizer, schedule

@@ -1,0 +1,316 @@
+"""Training: a pure `train_step(state, batch, ...) -> (state, metrics)` and the loop around it.
+
+The step is one `jax.jit` program over a device mesh: the batch is split over the 'data' axis,
+parameters are placed by the logical-axis rules (replicated by default), and XLA inserts the
+gradient all-reduce. State buffers are donated so an update does not need twice the memory.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import time
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from absl import logging
+from flax import struct
+from flax.training import train_state
+
+from transformer_jax import input_pipeline, inference, sharding
+from transformer_jax.checkpointing import Checkpointer
+from transformer_jax.config import TransformerConfig
+from transformer_jax.decode import strip_after_eos
+from transformer_jax.losses import label_smoothed_cross_entropy
+from transformer_jax.metric_writers import MetricWriter, format_duration, log
+from transformer_jax.models import Transformer
+from transformer_jax.optim import make_optimizer
+from transformer_jax.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
+
+CONFIG_FILE = 'config.json'
+VOCAB_FILE = 'vocab.model'
+CHECKPOINT_DIR = 'checkpoints'
+
+
+class TrainState(train_state.TrainState):
+  """step, params, opt_state (from flax) + the base key all dropout masks derive from."""
+
+  dropout_rng: jax.Array  # uint32[2]; step t uses fold_in(dropout_rng, t).
+
+
+def model_config_from(config: ml_collections.ConfigDict, vocab_size: int) -> TransformerConfig:
+  return TransformerConfig.from_dict({'vocab_size': vocab_size, **config.model.to_dict()})
+
+
+def shift_right(targets: jax.Array) -> jax.Array:
+  """Decoder inputs: [BOS, y_1, ..., y_{t-1}] from targets [y_1, ..., y_t]. [b, t] -> [b, t]."""
+  bos = jnp.full_like(targets[:, :1], BOS_ID)
+  return jnp.concatenate([bos, targets[:, :-1]], axis=1)
+
+
+def compute_metrics(logits, targets, weights, label_smoothing):
+  loss_sum, weight_sum = label_smoothed_cross_entropy(logits, targets, weights, label_smoothing)
+  correct = jnp.sum((jnp.argmax(logits, axis=-1) == targets) * weights)
+  return {'loss_sum': loss_sum, 'token_count': weight_sum, 'correct_tokens': correct}
+
+
+def train_step(state: TrainState, batch: dict, *, model: Transformer, learning_rate_fn,
+               label_smoothing: float) -> tuple[TrainState, dict]:
+  """One optimiser step on a batch {'inputs': [b, s], 'targets': [b, t]} (int32, 0 = pad)."""
+  inputs, targets = batch['inputs'], batch['targets']
+  weights = (targets != PAD_ID).astype(jnp.float32)
+  dropout_rng = jax.random.fold_in(state.dropout_rng, state.step)
+
+  def loss_fn(params):
+    logits = model.apply({'params': params}, inputs, shift_right(targets), deterministic=False,
+                         rngs={'dropout': dropout_rng})
+    metrics = compute_metrics(logits, targets, weights, label_smoothing)
+    # Mean over the real tokens of the whole (global) batch.
+    return metrics['loss_sum'] / jnp.maximum(metrics['token_count'], 1.0), metrics
+
+  grads, metrics = jax.grad(loss_fn, has_aux=True)(state.params)
+  new_state = state.apply_gradients(grads=grads)
+  metrics['learning_rate'] = learning_rate_fn(state.step)
+  metrics['grad_norm'] = optax.global_norm(grads)
+  return new_state, metrics
+
+
+def eval_step(params, batch: dict, *, model: Transformer, label_smoothing: float) -> dict:
+  targets = batch['targets']
+  weights = (targets != PAD_ID).astype(jnp.float32)
+  logits = model.apply({'params': params}, batch['inputs'], shift_right(targets))
+  return compute_metrics(logits, targets, weights, label_smoothing)
+
+
+class Trainer:
+  """Owns the mesh, the jitted steps and the state shardings for one model and config."""
+
+  def __init__(self, config: ml_collections.ConfigDict, model_config: TransformerConfig,
+               mesh: jax.sharding.Mesh | None = None):
+    self.config = config
+    self.model_config = model_config
+    self.model = Transformer(model_config)
+    self.mesh = mesh or sharding.create_mesh(config.mesh_shape)
+    self.rules = [tuple(rule) for rule in config.logical_axis_rules]
+    self.optimizer, self.learning_rate_fn = make_optimizer(
+        d_model=model_config.d_model, warmup_steps=config.warmup_steps,
+        learning_rate_scale=config.learning_rate_scale, b1=config.adam_b1, b2=config.adam_b2,
+        eps=config.adam_eps, grad_clip_norm=config.grad_clip_norm)
+    self.batch_sharding = sharding.batch_sharding(self.mesh)
+    abstract = jax.eval_shape(self._init_state, jax.random.PRNGKey(0))
+    self.state_shardings = sharding.logical_shardings(abstract, self.mesh, self.rules)
+    self.abstract_state = jax.tree_util.tree_map(
+        lambda leaf, s: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=s),
+        nn.meta.unbox(abstract), self.state_shardings)
+    replicated = sharding.replicated(self.mesh)
+    self.train_step = jax.jit(
+        functools.partial(train_step, model=self.model, learning_rate_fn=self.learning_rate_fn,
+                          label_smoothing=config.label_smoothing),
+        in_shardings=(self.state_shardings, self.batch_sharding),
+        out_shardings=(self.state_shardings, replicated), donate_argnums=(0,))
+    self.eval_step = jax.jit(
+        functools.partial(eval_step, model=self.model, label_smoothing=config.label_smoothing),
+        in_shardings=(self.state_shardings.params, self.batch_sharding),
+        out_shardings=replicated)
+    self.greedy_decode = jax.jit(
+        functools.partial(inference.greedy_decode, self.model,
+                          max_decode_len=config.max_target_length),
+        in_shardings=(self.state_shardings.params, self.batch_sharding),
+        out_shardings=replicated)
+
+  def _init_state(self, rng) -> TrainState:
+    params_rng, dropout_rng = jax.random.split(rng)
+    source = jnp.ones((1, self.config.max_source_length), jnp.int32)
+    target = jnp.ones((1, self.config.max_target_length), jnp.int32)
+    params = self.model.init({'params': params_rng}, source, target)['params']
+    return TrainState.create(apply_fn=self.model.apply, params=params, tx=self.optimizer,
+                             dropout_rng=dropout_rng)
+
+  def init_state(self, seed: int) -> TrainState:
+    """Parameters and optimiser state created directly in their shardings."""
+    state, _ = sharding.sharded_init(self._init_state, self.mesh, self.rules,
+                                     jax.random.PRNGKey(seed))
+    return state
+
+  def global_batch(self, local_batch: dict) -> dict:
+    """This process's rows -> global arrays split over the mesh's 'data' axis."""
+    return {key: jax.make_array_from_process_local_data(self.batch_sharding, value)
+            for key, value in local_batch.items()}
+
+  def step(self, state, local_batch):
+    with jax.set_mesh(self.mesh), nn.logical_axis_rules(self.rules):
+      return self.train_step(state, self.global_batch(local_batch))
+
+  def evaluate(self, params, batches) -> dict[str, float]:
+    totals: dict[str, Any] = {}
+    with jax.set_mesh(self.mesh), nn.logical_axis_rules(self.rules):
+      for batch in batches:
+        metrics = self.eval_step(params, self.global_batch(batch))
+        totals = metrics if not totals else jax.tree_util.tree_map(jnp.add, totals, metrics)
+    totals = jax.device_get(totals)
+    count = max(float(totals['token_count']), 1.0)
+    return {'loss': float(totals['loss_sum']) / count,
+            'token_accuracy': float(totals['correct_tokens']) / count}
+
+  def decode_batches(self, params, batches) -> list[list[int]]:
+    """Greedy output ids (EOS and padding removed) for every row of every batch."""
+    outputs = []
+    with jax.set_mesh(self.mesh), nn.logical_axis_rules(self.rules):
+      for batch in batches:
+        src = self.global_batch({'inputs': batch['inputs']})['inputs']
+        tokens = np.asarray(jax.device_get(self.greedy_decode(params, src)))
+        outputs.extend(strip_after_eos(tokens, EOS_ID, pad_id=PAD_ID))
+    return outputs
+
+
+def exact_match(trainer: Trainer, params, source, tokenizer: Tokenizer,
+                config: ml_collections.ConfigDict, max_examples: int | None) -> float:
+  """Fraction of sentences whose greedy translation equals the reference exactly."""
+  batches = input_pipeline.make_eval_batches(source, tokenizer, config,
+                                             batch_size=config.eval_batch_size,
+                                             max_examples=max_examples)
+  _, references = input_pipeline.eval_texts(source, config, max_examples)
+  outputs = trainer.decode_batches(params, batches)[:len(references)]  # Drop filler rows.
+  hypotheses = [tokenizer.decode(ids) for ids in outputs]
+  hits = sum(h == r for h, r in zip(hypotheses, references))
+  return hits / max(len(references), 1)
+
+
+def _save_config(config: ml_collections.ConfigDict, model_config: TransformerConfig,
+                 workdir: str) -> None:
+  """Writes the resolved config; on resume, refuses a model whose shape differs."""
+  path = os.path.join(workdir, CONFIG_FILE)
+  resolved = {'config': json.loads(config.to_json()), 'model': model_config.to_dict()}
+  if os.path.exists(path):
+    with open(path) as f:
+      saved = json.load(f)
+    differing = sorted(k for k in resolved['model']
+                       if saved.get('model', {}).get(k) != resolved['model'][k])
+    if differing:
+      details = ', '.join(f'{k}: {saved.get("model", {}).get(k)!r} -> {resolved["model"][k]!r}'
+                          for k in differing)
+      raise ValueError(f'{path}: the workdir holds a model with different fields ({details}); '
+                       'use a new --workdir or the original settings')
+  if jax.process_index() == 0:
+    tmp = path + '.tmp'
+    with open(tmp, 'w') as f:
+      json.dump(resolved, f, indent=2, sort_keys=True)
+    os.replace(tmp, path)
+
+
+def _validate(config: ml_collections.ConfigDict) -> None:
+  for name in ('per_device_batch_size', 'num_train_steps', 'log_every_steps',
+               'eval_every_steps', 'checkpoint_every_steps', 'keep_checkpoints',
+               'max_source_length', 'max_target_length', 'vocab_size', 'eval_batch_size',
+               'warmup_steps'):
+    value = config[name]
+    if not isinstance(value, int) or value <= 0:
+      raise ValueError(f'config.{name} must be a positive integer, got {value!r}')
+  if not 0.0 <= config.label_smoothing < 1.0:
+    raise ValueError(f'config.label_smoothing must be in [0, 1), got {config.label_smoothing}')
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
+  """Trains (resuming from the workdir's latest checkpoint if any), evaluates, checkpoints.
+
+  Returns the last evaluation's metrics (and the final test exact match when configured).
+  """
+  _validate(config)
+  workdir = os.path.abspath(workdir)
+  os.makedirs(workdir, exist_ok=True)
+  data_dir = config.data_dir or os.path.join(workdir, 'data')
+  sources = input_pipeline.load_data_sources(config, data_dir)
+  tokenizer = input_pipeline.load_or_train_tokenizer(config, workdir,
+                                                     sources[config.train_split])
+  model_config = model_config_from(config, tokenizer.vocab_size)
+  _save_config(config, model_config, workdir)
+
+  trainer = Trainer(config, model_config)
+  device_count = trainer.mesh.devices.size
+  if config.eval_batch_size % device_count:
+    raise ValueError(f'config.eval_batch_size={config.eval_batch_size} must be a multiple of '
+                     f'the {device_count} devices')
+  local_batch_size = config.per_device_batch_size * jax.local_device_count()
+  train_iterator = input_pipeline.make_train_iterator(
+      sources[config.train_split], tokenizer, config, batch_size=local_batch_size,
+      seed=config.seed, process_index=jax.process_index(), process_count=jax.process_count())
+
+  checkpointer = Checkpointer(os.path.join(workdir, CHECKPOINT_DIR),
+                              keep=config.keep_checkpoints)
+  latest = checkpointer.latest_step()
+  if latest is None:
+    state = trainer.init_state(config.seed)
+    start_step = 0
+  else:
+    state, data_state = checkpointer.restore(trainer.abstract_state, latest)
+    train_iterator.set_state(data_state['train_iterator'])
+    start_step = int(state.step)
+    logging.info('Resumed from %s at step %d', checkpointer.directory, start_step)
+  num_params = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
+  logging.info('Model: %s parameters, %s', f'{num_params:,}', model_config)
+
+  eval_batches = input_pipeline.make_eval_batches(
+      sources[config.eval_split], tokenizer, config, batch_size=config.eval_batch_size)
+  writer = MetricWriter(os.path.join(workdir, 'tensorboard'))
+  eval_metrics: dict[str, float] = {}
+  pending = []  # Device metrics of steps not yet logged; fetched every log_every_steps.
+  window_start, window_step = time.time(), start_step
+  run_start = time.time()
+
+  def run_eval(step):
+    metrics = trainer.evaluate(state.params, eval_batches)
+    if config.eval_decode_examples:
+      metrics['exact_match'] = exact_match(trainer, state.params, sources[config.eval_split],
+                                           tokenizer, config, config.eval_decode_examples)
+    writer.write_scalars(step, {f'eval/{k}': v for k, v in metrics.items()})
+    log(f'eval step {step}: ' + ', '.join(f'{k} {v:.4f}' for k, v in metrics.items()))
+    return metrics
+
+  step = start_step
+  for step in range(start_step + 1, config.num_train_steps + 1):
+    state, metrics = trainer.step(state, next(train_iterator))
+    pending.append(metrics)
+    if step % config.log_every_steps == 0 or step == config.num_train_steps:
+      totals = jax.device_get(pending)
+      pending = []
+      tokens = sum(float(m['token_count']) for m in totals)
+      loss = sum(float(m['loss_sum']) for m in totals) / max(tokens, 1.0)
+      elapsed = time.time() - window_start
+      steps_per_second = (step - window_step) / max(elapsed, 1e-9)
+      scalars = {'train/loss': loss, 'train/learning_rate': float(totals[-1]['learning_rate']),
+                 'train/grad_norm': float(totals[-1]['grad_norm']),
+                 'train/target_tokens_per_second': tokens / max(elapsed, 1e-9),
+                 'train/steps_per_second': steps_per_second}
+      writer.write_scalars(step, scalars)
+      eta = (config.num_train_steps - step) / max(steps_per_second, 1e-9)
+      log(f'step {step}/{config.num_train_steps} | loss {loss:.4f} | '
+          f'lr {scalars["train/learning_rate"]:.2e} | '
+          f'{scalars["train/target_tokens_per_second"]:,.0f} tok/s | '
+          f'{steps_per_second:.2f} steps/s | ETA {format_duration(eta)}')
+      window_start, window_step = time.time(), step
+    if step % config.eval_every_steps == 0 or step == config.num_train_steps:
+      eval_metrics = run_eval(step)
+    if step % config.checkpoint_every_steps == 0 or step == config.num_train_steps:
+      checkpointer.save(step, state, {'train_iterator': train_iterator.get_state()})
+      # Evaluation and checkpoint saving are not training time.
+      window_start = time.time()
+
+  if not eval_metrics:  # Nothing left to train: report on the restored state.
+    eval_metrics = run_eval(step)
+  checkpointer.close()
+  if config.final_test_decode:
+    test_exact = exact_match(trainer, state.params, sources[config.test_split], tokenizer,
+                             config, None)
+    eval_metrics['test_exact_match'] = test_exact
+    writer.write_scalars(step, {'test/exact_match': test_exact})
+    log(f'test exact match (greedy, {len(sources[config.test_split])} sentences): '
+        f'{test_exact:.4f}')
+  writer.close()
+  log(f'done in {format_duration(time.time() - run_start)}; workdir {workdir}')
+  return eval_metrics
