@@ -25,8 +25,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.test_split = 'test'
   # Longest source / target in tokens (EOS included). Batches are padded to these lengths;
   # longer training pairs are skipped, longer evaluation pairs truncated.
-  config.max_source_length = 32
-  config.max_target_length = 32
+  config.max_source_length = 24
+  config.max_target_length = 20
 
   # --- Vocabulary -------------------------------------------------------------------------
   # Size of the shared source+target SentencePiece vocabulary (the paper: ~37,000 BPE).
@@ -34,7 +34,7 @@ def get_config() -> ml_collections.ConfigDict:
   # SentencePiece model type: 'bpe' (as the paper) or 'unigram'.
   config.vocab_model_type = 'bpe'
   # Number of training pairs whose two sides train the vocabulary.
-  config.vocab_max_examples = 100_000
+  config.vocab_max_examples = 50_000
 
   # --- Model (fields of TransformerConfig; vocab_size comes from the vocabulary) ------------
   config.model = ml_collections.ConfigDict()

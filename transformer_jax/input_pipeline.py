@@ -8,10 +8,12 @@ checkpoint so a resumed run sees exactly the batches an uninterrupted run would.
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any, Iterator
 
 import grain
+import jax
 import ml_collections
 import numpy as np
 import tensorflow_datasets as tfds
@@ -41,11 +43,21 @@ def _text(example: dict, key: str) -> str:
   return value.decode('utf-8') if isinstance(value, bytes) else str(value)
 
 
+def read_examples(source, start: int = 0, stop: int | None = None,
+                  chunk_size: int = 1024) -> Iterator[dict]:
+  """Examples [start, stop) of a tfds data source, in order, read in chunks.
+
+  `source[i]` costs ~1 ms per call (a fresh array_record read each time); reading a chunk at once
+  is >10x cheaper per example.
+  """
+  stop = len(source) if stop is None else min(stop, len(source))
+  for chunk_start in range(start, stop, chunk_size):
+    yield from source.__getitems__(list(range(chunk_start, min(chunk_start + chunk_size, stop))))
+
+
 def training_sentences(source, config: ml_collections.ConfigDict) -> Iterator[str]:
   """Both sides of the first `vocab_max_examples` training pairs, for the shared vocabulary."""
-  count = min(len(source), config.vocab_max_examples)
-  for index in range(count):
-    example = source[index]
+  for example in read_examples(source, 0, config.vocab_max_examples):
     yield _text(example, config.source_key)
     yield _text(example, config.target_key)
 
@@ -59,22 +71,77 @@ def load_or_train_tokenizer(config: ml_collections.ConfigDict, workdir: str,
   tokenizer = Tokenizer.train(training_sentences(train_source, config),
                               vocab_size=config.vocab_size,
                               model_type=config.vocab_model_type)
-  tokenizer.save(path)
+  if jax.process_index() == 0:
+    tokenizer.save(path)
   return tokenizer
 
 
-class _Tokenize(grain.transforms.Map):
-  """{'en': bytes, 'de': bytes} -> {'inputs': ids + EOS, 'targets': ids + EOS} (unpadded)."""
+class TokenizedSplit:
+  """Token ids of every example of one split, in memory: {'inputs', 'targets'} per index.
 
-  def __init__(self, tokenizer: Tokenizer, source_key: str, target_key: str):
-    self._tokenizer = tokenizer
-    self._source_key, self._target_key = source_key, target_key
+  Tokenizing once (and caching the result in the workdir, next to the vocabulary it belongs
+  to) means no epoch pays for reading, proto decoding and SentencePiece again. Ids are stored
+  flat with offsets: inputs of example i are inputs_flat[inputs_offsets[i]:inputs_offsets[i+1]].
+  Sequences carry their EOS.
+  """
 
-  def map(self, example):
+  _FIELDS = ('inputs_flat', 'inputs_offsets', 'targets_flat', 'targets_offsets')
+
+  def __init__(self, arrays: dict[str, np.ndarray]):
+    self._arrays = arrays
+
+  def __len__(self) -> int:
+    return len(self._arrays['inputs_offsets']) - 1
+
+  def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+    arrays = self._arrays
+    if not 0 <= index < len(self):
+      raise IndexError(index)
     return {
-        'inputs': self._tokenizer.encode(_text(example, self._source_key)) + [EOS_ID],
-        'targets': self._tokenizer.encode(_text(example, self._target_key)) + [EOS_ID],
+        'inputs': arrays['inputs_flat'][arrays['inputs_offsets'][index]:
+                                        arrays['inputs_offsets'][index + 1]],
+        'targets': arrays['targets_flat'][arrays['targets_offsets'][index]:
+                                          arrays['targets_offsets'][index + 1]],
     }
+
+  @classmethod
+  def build(cls, source, tokenizer: Tokenizer, config: ml_collections.ConfigDict,
+            cache_path: str | None = None) -> 'TokenizedSplit':
+    """Loads `cache_path` if it was made from the same source and vocabulary, else tokenizes."""
+    fingerprint = json.dumps({
+        'dataset': config.dataset, 'keys': [config.source_key, config.target_key],
+        'examples': len(source), 'vocabulary': tokenizer.fingerprint}, sort_keys=True)
+    if cache_path and os.path.exists(cache_path):
+      with np.load(cache_path, allow_pickle=False) as cached:
+        if str(cached['fingerprint']) == fingerprint:
+          return cls({name: cached[name] for name in cls._FIELDS})
+    sides = {'inputs': [], 'targets': []}
+    for example in read_examples(source):
+      sides['inputs'].append(_text(example, config.source_key))
+      sides['targets'].append(_text(example, config.target_key))
+    arrays = {}
+    for side, texts in sides.items():
+      ids = [sequence + [EOS_ID] for sequence in tokenizer.encode_batch(texts)]
+      lengths = np.array([len(sequence) for sequence in ids], np.int64)
+      arrays[f'{side}_offsets'] = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+      arrays[f'{side}_flat'] = (np.concatenate([np.asarray(s, np.int32) for s in ids])
+                                if ids else np.zeros((0,), np.int32))
+    if cache_path and jax.process_index() == 0:
+      os.makedirs(os.path.dirname(cache_path), exist_ok=True)
+      tmp = cache_path + '.tmp.npz'
+      np.savez(tmp, fingerprint=np.array(fingerprint), **arrays)
+      os.replace(tmp, cache_path)  # Atomic: a crash never leaves half a cache.
+    return cls(arrays)
+
+
+def tokenized_splits(sources: dict, tokenizer: Tokenizer, config: ml_collections.ConfigDict,
+                     workdir: str) -> dict[str, TokenizedSplit]:
+  splits = {}
+  for split in dict.fromkeys([config.train_split, config.eval_split, config.test_split]):
+    name = f'{config.dataset.replace("/", "_")}-{split}.npz'
+    splits[split] = TokenizedSplit.build(sources[split], tokenizer, config,
+                                         os.path.join(workdir, 'token_cache', name))
+  return splits
 
 
 class _FitsLengths(grain.transforms.Filter):
@@ -101,7 +168,7 @@ def pad_batch(examples: list[dict], max_source_length: int, max_target_length: i
   return {'inputs': inputs, 'targets': targets}
 
 
-def make_train_iterator(source, tokenizer: Tokenizer, config: ml_collections.ConfigDict, *,
+def make_train_iterator(source: TokenizedSplit, config: ml_collections.ConfigDict, *,
                         batch_size: int, seed: int, process_index: int = 0,
                         process_count: int = 1) -> grain.DatasetIterator:
   """Endless, shuffled (a new order every epoch), fixed-shape batches of this process's shard.
@@ -114,7 +181,6 @@ def make_train_iterator(source, tokenizer: Tokenizer, config: ml_collections.Con
       .slice(slice(process_index, None, process_count))
       .shuffle(seed=seed)
       .repeat(None)
-      .map(_Tokenize(tokenizer, config.source_key, config.target_key))
       .to_iter_dataset()
       .filter(_FitsLengths(config.max_source_length, config.max_target_length))
       .batch(batch_size, drop_remainder=True,
@@ -123,17 +189,16 @@ def make_train_iterator(source, tokenizer: Tokenizer, config: ml_collections.Con
   return iter(dataset)
 
 
-def make_eval_batches(source, tokenizer: Tokenizer, config: ml_collections.ConfigDict, *,
+def make_eval_batches(source: TokenizedSplit, config: ml_collections.ConfigDict, *,
                       batch_size: int, max_examples: int | None = None) -> list[Batch]:
   """Every example of a split exactly once, in order; over-long ones truncated, never dropped.
 
   The last batch is filled up with all-padding rows (zero weight) so all batches share a shape.
   """
   count = len(source) if max_examples is None else min(len(source), max_examples)
-  tokenize = _Tokenize(tokenizer, config.source_key, config.target_key)
   batches = []
   for start in range(0, count, batch_size):
-    examples = [tokenize.map(source[i]) for i in range(start, min(start + batch_size, count))]
+    examples = [source[i] for i in range(start, min(start + batch_size, count))]
     batches.append(pad_batch(examples, config.max_source_length, config.max_target_length,
                              batch_size))
   return batches
@@ -142,7 +207,6 @@ def make_eval_batches(source, tokenizer: Tokenizer, config: ml_collections.Confi
 def eval_texts(source, config: ml_collections.ConfigDict,
                max_examples: int | None = None) -> tuple[list[str], list[str]]:
   """(sources, references) as text, in split order."""
-  count = len(source) if max_examples is None else min(len(source), max_examples)
-  examples = [source[i] for i in range(count)]
+  examples = list(read_examples(source, 0, max_examples))
   return ([_text(e, config.source_key) for e in examples],
           [_text(e, config.target_key) for e in examples])

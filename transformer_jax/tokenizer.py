@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
 from typing import Iterable, Sequence
@@ -56,6 +57,11 @@ class Tokenizer:
       f.write(self._processor.serialized_model_proto())
     os.replace(tmp, path)  # Atomic: a crash never leaves half a vocabulary.
     self.path = path
+
+  @property
+  def fingerprint(self) -> str:
+    """Content hash of the vocabulary: caches of token ids are valid only for the same one."""
+    return hashlib.sha256(self._processor.serialized_model_proto()).hexdigest()
 
   @property
   def vocab_size(self) -> int:

@@ -169,10 +169,11 @@ class Trainer:
     return outputs
 
 
-def exact_match(trainer: Trainer, params, source, tokenizer: Tokenizer,
-                config: ml_collections.ConfigDict, max_examples: int | None) -> float:
+def exact_match(trainer: Trainer, params, source, tokenized: input_pipeline.TokenizedSplit,
+                tokenizer: Tokenizer, config: ml_collections.ConfigDict,
+                max_examples: int | None) -> float:
   """Fraction of sentences whose greedy translation equals the reference exactly."""
-  batches = input_pipeline.make_eval_batches(source, tokenizer, config,
+  batches = input_pipeline.make_eval_batches(tokenized, config,
                                              batch_size=config.eval_batch_size,
                                              max_examples=max_examples)
   _, references = input_pipeline.eval_texts(source, config, max_examples)
@@ -230,6 +231,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                                                      sources[config.train_split])
   model_config = model_config_from(config, tokenizer.vocab_size)
   _save_config(config, model_config, workdir)
+  tokenized = input_pipeline.tokenized_splits(sources, tokenizer, config, workdir)
 
   trainer = Trainer(config, model_config)
   device_count = trainer.mesh.devices.size
@@ -238,7 +240,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                      f'the {device_count} devices')
   local_batch_size = config.per_device_batch_size * jax.local_device_count()
   train_iterator = input_pipeline.make_train_iterator(
-      sources[config.train_split], tokenizer, config, batch_size=local_batch_size,
+      tokenized[config.train_split], config, batch_size=local_batch_size,
       seed=config.seed, process_index=jax.process_index(), process_count=jax.process_count())
 
   checkpointer = Checkpointer(os.path.join(workdir, CHECKPOINT_DIR),
@@ -256,7 +258,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   logging.info('Model: %s parameters, %s', f'{num_params:,}', model_config)
 
   eval_batches = input_pipeline.make_eval_batches(
-      sources[config.eval_split], tokenizer, config, batch_size=config.eval_batch_size)
+      tokenized[config.eval_split], config, batch_size=config.eval_batch_size)
   writer = MetricWriter(os.path.join(workdir, 'tensorboard'))
   eval_metrics: dict[str, float] = {}
   pending = []  # Device metrics of steps not yet logged; fetched every log_every_steps.
@@ -266,8 +268,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   def run_eval(step):
     metrics = trainer.evaluate(state.params, eval_batches)
     if config.eval_decode_examples:
-      metrics['exact_match'] = exact_match(trainer, state.params, sources[config.eval_split],
-                                           tokenizer, config, config.eval_decode_examples)
+      metrics['exact_match'] = exact_match(
+          trainer, state.params, sources[config.eval_split], tokenized[config.eval_split],
+          tokenizer, config, config.eval_decode_examples)
     writer.write_scalars(step, {f'eval/{k}': v for k, v in metrics.items()})
     log(f'eval step {step}: ' + ', '.join(f'{k} {v:.4f}' for k, v in metrics.items()))
     return metrics
@@ -305,8 +308,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     eval_metrics = run_eval(step)
   checkpointer.close()
   if config.final_test_decode:
-    test_exact = exact_match(trainer, state.params, sources[config.test_split], tokenizer,
-                             config, None)
+    test_exact = exact_match(trainer, state.params, sources[config.test_split],
+                             tokenized[config.test_split], tokenizer, config, None)
     eval_metrics['test_exact_match'] = test_exact
     writer.write_scalars(step, {'test/exact_match': test_exact})
     log(f'test exact match (greedy, {len(sources[config.test_split])} sentences): '
