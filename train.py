@@ -4,10 +4,14 @@ Any config field can be overridden, e.g. `--config.num_train_steps=100`. Rerunni
 command resumes from the workdir's latest checkpoint.
 """
 
+import sys
+
 from absl import app, flags
 from ml_collections import config_flags
 
 from transformer_jax import train_lib
+from transformer_jax.config import UserInputError
+from transformer_jax.metric_writers import quiet_library_logs
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string('workdir', None, 'Directory for checkpoints, vocabulary, config and logs.')
@@ -19,7 +23,13 @@ flags.mark_flags_as_required(['workdir'])
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
-  train_lib.train_and_evaluate(FLAGS.config, FLAGS.workdir)
+  quiet_library_logs()
+  try:
+    train_lib.train_and_evaluate(FLAGS.config, FLAGS.workdir)
+  except (UserInputError, FileNotFoundError) as error:
+    # A mistake in what was given, not a bug: one line, no traceback, non-zero exit.
+    print(f'error: {error}', file=sys.stderr)
+    sys.exit(2)
 
 
 if __name__ == '__main__':

@@ -11,6 +11,10 @@ from typing import Any
 
 import jax.numpy as jnp
 
+class UserInputError(ValueError):
+  """A problem with what the user gave (config, files, flags), reported as one line, no traceback."""
+
+
 _DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16, 'float16': jnp.float16}
 
 
@@ -53,22 +57,22 @@ class TransformerConfig:
                  'num_decoder_layers', 'max_len'):
       value = getattr(self, name)
       if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f'TransformerConfig.{name} must be a positive integer, got {value!r}')
+        raise UserInputError(f'TransformerConfig.{name} must be a positive integer, got {value!r}')
     for name in ('qk_dim', 'v_dim'):
       value = getattr(self, name)
       if value is not None and (not isinstance(value, int) or value <= 0):
-        raise ValueError(f'TransformerConfig.{name} must be a positive integer or None, '
+        raise UserInputError(f'TransformerConfig.{name} must be a positive integer or None, '
                          f'got {value!r}')
     if (self.qk_dim is None or self.v_dim is None) and self.d_model % self.num_heads:
-      raise ValueError(
+      raise UserInputError(
           f'TransformerConfig.d_model={self.d_model} is not divisible by '
           f'num_heads={self.num_heads}; set qk_dim and v_dim explicitly or change the sizes')
     for name in ('dropout_rate', 'attention_dropout_rate'):
       value = getattr(self, name)
       if not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
-        raise ValueError(f'TransformerConfig.{name} must be in [0, 1), got {value!r}')
+        raise UserInputError(f'TransformerConfig.{name} must be in [0, 1), got {value!r}')
     if self.dtype not in _DTYPES:
-      raise ValueError(f'TransformerConfig.dtype must be one of {sorted(_DTYPES)}, '
+      raise UserInputError(f'TransformerConfig.dtype must be one of {sorted(_DTYPES)}, '
                        f'got {self.dtype!r}')
 
   @property
@@ -94,7 +98,7 @@ class TransformerConfig:
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(fields) - known)
     if unknown:
-      raise ValueError(f'unknown TransformerConfig field(s): {", ".join(unknown)}')
+      raise UserInputError(f'unknown TransformerConfig field(s): {", ".join(unknown)}')
     return cls(**fields)
 
   @classmethod

@@ -72,6 +72,9 @@ def _greedy_loop(next_logits: Callable[[jax.Array, jax.Array, jax.Array, Any],
   def body(state):
     step, token, out, finished, extra = state
     logits, extra = next_logits(step, token, out, extra)
+    # Padding is never a prediction: an emitted pad would be masked as padding by a model
+    # that recomputes the prefix but attended to by one with a cache, and they would diverge.
+    logits = logits.at[:, pad_id].set(-jnp.inf)
     chosen = jnp.argmax(logits, axis=-1).astype(jnp.int32)            # [b]
     written, finished = _record_token(chosen, finished, eos_id=eos_id,
                                       pad_id=pad_id)

@@ -19,6 +19,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 
 from transformer_jax import number_words
+from transformer_jax.config import UserInputError
 from transformer_jax.tokenizer import EOS_ID, Tokenizer
 
 Batch = dict[str, np.ndarray]
@@ -34,7 +35,7 @@ def load_data_sources(config: ml_collections.ConfigDict, data_dir: str) -> dict[
   try:
     return tfds.data_source(name, data_dir=data_dir, try_gcs=False)
   except (tfds.core.registered.DatasetNotFoundError, FileNotFoundError, AssertionError) as error:
-    raise ValueError(f'dataset {config.dataset!r} is not prepared in {data_dir}: '
+    raise UserInputError(f'dataset {config.dataset!r} is not prepared in {data_dir}: '
                      f'{str(error).splitlines()[0]}') from None
 
 
@@ -68,9 +69,14 @@ def load_or_train_tokenizer(config: ml_collections.ConfigDict, workdir: str,
   path = os.path.join(workdir, 'vocab.model')
   if os.path.exists(path):
     return Tokenizer.load(path)
-  tokenizer = Tokenizer.train(training_sentences(train_source, config),
-                              vocab_size=config.vocab_size,
-                              model_type=config.vocab_model_type)
+  try:
+    tokenizer = Tokenizer.train(training_sentences(train_source, config),
+                                vocab_size=config.vocab_size,
+                                model_type=config.vocab_model_type)
+  except RuntimeError as error:  # SentencePiece reports bad settings as RuntimeError.
+    raise UserInputError(f'config.vocab_size={config.vocab_size} / '
+                         f'config.vocab_model_type={config.vocab_model_type!r}: SentencePiece '
+                         f'cannot train this vocabulary: {str(error).strip()}') from None
   if jax.process_index() == 0:
     tokenizer.save(path)
   return tokenizer

@@ -5,6 +5,7 @@ Only process 0 writes (on multi-host runs every process computes the same global
 
 from __future__ import annotations
 
+import logging as python_logging
 import os
 
 import jax
@@ -52,3 +53,15 @@ def format_duration(seconds: float) -> str:
 def log(message: str) -> None:
   if jax.process_index() == 0:
     logging.info(message)
+
+
+class _OnlyOwnInfo(python_logging.Filter):
+  """Drops libraries' INFO chatter (orbax logs every save step by step); warnings pass."""
+
+  def filter(self, record: python_logging.LogRecord) -> bool:
+    return record.levelno >= python_logging.WARNING or 'transformer_jax' in record.pathname
+
+
+def quiet_library_logs() -> None:
+  """Keeps the console to this project's progress lines plus everyone's warnings and errors."""
+  python_logging.getLogger('absl').addFilter(_OnlyOwnInfo())

@@ -120,7 +120,10 @@ class MultiHeadAttention(nn.Module):
     dtype = cfg.compute_dtype
 
     def projection(features, name):
-      return Projection((cfg.num_heads, features), 1, ('embed', 'heads', 'kv'), dtype, name=name)
+      # No biases in attention projections (as tensor2tensor and Flax's WMT example): a key
+      # bias cannot change the softmax, so its gradient is pure rounding noise.
+      return Projection((cfg.num_heads, features), 1, ('embed', 'heads', 'kv'), dtype,
+                        use_bias=False, name=name)
 
     query = projection(cfg.head_qk_dim, 'query')(query_inputs)  # [b, q, h, d_k]
 
@@ -162,7 +165,7 @@ class MultiHeadAttention(nn.Module):
     if cfg.attention_dropout_rate > 0.0 and not deterministic:
       weights = nn.Dropout(cfg.attention_dropout_rate)(weights, deterministic=False)
     heads = jnp.einsum('bhqk,bkhd->bqhd', weights.astype(dtype), value.astype(dtype))
-    return Projection((cfg.d_model,), 2, ('heads', 'kv', 'embed'), dtype,
+    return Projection((cfg.d_model,), 2, ('heads', 'kv', 'embed'), dtype, use_bias=False,
                       name='out')(heads)  # [b, q, m]
 
 
@@ -240,9 +243,11 @@ def _stacked(layer_class, cfg: TransformerConfig, num_layers: int, num_broadcast
              num_static_args: int, name: str):
   """N copies of a layer as one scanned module; parameters get a leading 'layers' axis."""
   if cfg.remat:
-    # The trailing Python-bool arguments must stay static under remat.
+    # The trailing Python-bool arguments must stay static under remat. Flax counts `self` as
+    # argument 0 and the scan carry as argument 1, then the broadcast arguments.
+    last = 1 + num_broadcast_args
     layer_class = nn.remat(layer_class, prevent_cse=False,
-                           static_argnums=tuple(range(-num_static_args, 0)))
+                           static_argnums=tuple(range(last - num_static_args + 1, last + 1)))
   return nn.scan(
       layer_class,
       # The cache is stacked on axis 1 so every cache array keeps batch as its leading axis,

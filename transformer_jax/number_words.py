@@ -182,7 +182,7 @@ def sample_numbers(split: str, count: int, seed: int) -> list[int]:
 @dataclasses.dataclass(eq=False)
 class NumberWordsConfig(tfds.core.BuilderConfig):
   """Split sizes (number of examples) of a `number_words` variant."""
-  train_size: int = 200_000
+  train_size: int = 100_000
   validation_size: int = 2_000
   test_size: int = 2_000
 
@@ -193,7 +193,7 @@ class NumberWords(tfds.core.GeneratorBasedBuilder):
   VERSION = tfds.core.Version('1.0.0')
   RELEASE_NOTES = {'1.0.0': 'Initial release.'}
   BUILDER_CONFIGS = [
-      NumberWordsConfig(name='default', description='200k/2k/2k examples.'),
+      NumberWordsConfig(name='default', description='100k/2k/2k examples.'),
       NumberWordsConfig(name='tiny', train_size=2_000, validation_size=200,
                         test_size=200, description='Small, for tests.'),
   ]

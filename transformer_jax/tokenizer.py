@@ -9,6 +9,8 @@ from typing import Iterable, Sequence
 
 import sentencepiece as spm
 
+from transformer_jax.config import UserInputError
+
 PAD_ID, EOS_ID, BOS_ID, UNK_ID = 0, 1, 2, 3
 
 
@@ -21,11 +23,11 @@ class Tokenizer:
     try:
       self._processor.LoadFromSerializedProto(model_proto)
     except Exception as error:  # sentencepiece raises a bare RuntimeError/OSError.
-      raise ValueError(f'{path}: not a valid SentencePiece model ({error})') from None
+      raise UserInputError(f'{path}: not a valid SentencePiece model ({error})') from None
     ids = (self._processor.pad_id(), self._processor.eos_id(), self._processor.bos_id(),
            self._processor.unk_id())
     if ids != (PAD_ID, EOS_ID, BOS_ID, UNK_ID):
-      raise ValueError(f'{path}: vocabulary has special ids pad/eos/bos/unk={ids}, '
+      raise UserInputError(f'{path}: vocabulary has special ids pad/eos/bos/unk={ids}, '
                        f'expected {(PAD_ID, EOS_ID, BOS_ID, UNK_ID)}')
 
   @classmethod

@@ -25,7 +25,7 @@ from flax.training import train_state
 
 from transformer_jax import input_pipeline, inference, sharding
 from transformer_jax.checkpointing import Checkpointer
-from transformer_jax.config import TransformerConfig
+from transformer_jax.config import TransformerConfig, UserInputError
 from transformer_jax.decode import strip_after_eos
 from transformer_jax.losses import label_smoothed_cross_entropy
 from transformer_jax.metric_writers import MetricWriter, format_duration, log
@@ -77,7 +77,7 @@ def train_step(state: TrainState, batch: dict, *, model: Transformer, learning_r
   grads, metrics = jax.grad(loss_fn, has_aux=True)(state.params)
   new_state = state.apply_gradients(grads=grads)
   metrics['learning_rate'] = learning_rate_fn(state.step)
-  metrics['grad_norm'] = optax.global_norm(grads)
+  metrics['grad_norm'] = optax.tree.norm(grads)
   return new_state, metrics
 
 
@@ -196,7 +196,7 @@ def _save_config(config: ml_collections.ConfigDict, model_config: TransformerCon
     if differing:
       details = ', '.join(f'{k}: {saved.get("model", {}).get(k)!r} -> {resolved["model"][k]!r}'
                           for k in differing)
-      raise ValueError(f'{path}: the workdir holds a model with different fields ({details}); '
+      raise UserInputError(f'{path}: the workdir holds a model with different fields ({details}); '
                        'use a new --workdir or the original settings')
   if jax.process_index() == 0:
     tmp = path + '.tmp'
@@ -212,9 +212,9 @@ def _validate(config: ml_collections.ConfigDict) -> None:
                'warmup_steps'):
     value = config[name]
     if not isinstance(value, int) or value <= 0:
-      raise ValueError(f'config.{name} must be a positive integer, got {value!r}')
+      raise UserInputError(f'config.{name} must be a positive integer, got {value!r}')
   if not 0.0 <= config.label_smoothing < 1.0:
-    raise ValueError(f'config.label_smoothing must be in [0, 1), got {config.label_smoothing}')
+    raise UserInputError(f'config.label_smoothing must be in [0, 1), got {config.label_smoothing}')
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
@@ -236,7 +236,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   trainer = Trainer(config, model_config)
   device_count = trainer.mesh.devices.size
   if config.eval_batch_size % device_count:
-    raise ValueError(f'config.eval_batch_size={config.eval_batch_size} must be a multiple of '
+    raise UserInputError(f'config.eval_batch_size={config.eval_batch_size} must be a multiple of '
                      f'the {device_count} devices')
   local_batch_size = config.per_device_batch_size * jax.local_device_count()
   train_iterator = input_pipeline.make_train_iterator(

@@ -1,0 +1,44 @@
+"""Shared fixtures: a tiny training config on the embedded task's 'tiny' split sizes."""
+
+import os
+import sys
+
+import pytest
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO_ROOT not in sys.path:
+  sys.path.insert(0, REPO_ROOT)
+
+
+def tiny_config(data_dir: str):
+  """The default config shrunk to seconds on one CPU core."""
+  from configs import default
+  config = default.get_config()
+  config.dataset = 'number_words/tiny'
+  config.data_dir = data_dir
+  config.vocab_size = 96
+  config.model.d_model = 32
+  config.model.d_ff = 64
+  config.model.num_heads = 2
+  config.model.num_encoder_layers = 1
+  config.model.num_decoder_layers = 1
+  config.model.max_len = 32
+  config.per_device_batch_size = 16
+  config.num_train_steps = 8
+  config.warmup_steps = 10
+  config.log_every_steps = 4
+  config.eval_every_steps = 1000
+  config.checkpoint_every_steps = 4
+  config.eval_decode_examples = 0
+  config.eval_batch_size = 64
+  config.final_test_decode = False
+  return config
+
+
+@pytest.fixture(scope='session')
+def data_dir(tmp_path_factory):
+  """One prepared copy of number_words/tiny for the whole test session."""
+  from transformer_jax import number_words
+  path = str(tmp_path_factory.mktemp('tfds'))
+  number_words.prepare(path, 'tiny')
+  return path

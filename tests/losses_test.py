@@ -1,0 +1,118 @@
+"""Tests for transformer_jax.losses against explicit NumPy definitions (tiny; CPU)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from transformer_jax.losses import label_smoothed_cross_entropy
+
+V = 7
+
+
+def _log_softmax(logits):
+  logits = np.asarray(logits, np.float64)
+  shifted = logits - logits.max(-1, keepdims=True)
+  return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+
+
+def _smoothed_targets(targets, eps, vocab):
+  """q: 1 - eps on the target id, eps / (vocab - 1) on each other id."""
+  q = np.full(targets.shape + (vocab,), eps / (vocab - 1))
+  np.put_along_axis(q, targets[..., None], 1.0 - eps, axis=-1)
+  return q
+
+
+def _reference(logits, targets, weights, eps):
+  """sum_tokens w * (-sum_v q log p + sum_v q log q), with 0 log 0 = 0."""
+  q = _smoothed_targets(targets, eps, logits.shape[-1])
+  cross_entropy = -(q * _log_softmax(logits)).sum(-1)
+  neg_entropy = np.where(q > 0, q * np.log(np.where(q > 0, q, 1.0)), 0.0).sum(-1)
+  return float((weights * (cross_entropy + neg_entropy)).sum()), float(weights.sum())
+
+
+def _example(seed=0):
+  rng = np.random.default_rng(seed)
+  logits = (3.0 * rng.normal(size=(2, 4, V))).astype(np.float32)
+  targets = rng.integers(0, V, size=(2, 4)).astype(np.int32)
+  weights = np.array([[1, 1, 1, 0], [1, 1, 0, 0]], np.float32)  # trailing padding
+  return logits, targets, weights
+
+
+@pytest.mark.parametrize('eps', [0.1, 0.3])
+def test_matches_definition(eps):
+  logits, targets, weights = _example()
+  loss, total = label_smoothed_cross_entropy(jnp.asarray(logits), jnp.asarray(targets),
+                                             jnp.asarray(weights), label_smoothing=eps)
+  expected_loss, expected_total = _reference(logits, targets, weights, eps)
+  assert total == expected_total == 5.0
+  np.testing.assert_allclose(float(loss), expected_loss, rtol=1e-5)
+  assert expected_loss > 1.0  # the example is far from a perfect prediction
+
+
+def test_default_smoothing_is_0_1():
+  logits, targets, weights = _example(1)
+  loss, _ = label_smoothed_cross_entropy(jnp.asarray(logits), jnp.asarray(targets),
+                                         jnp.asarray(weights))
+  np.testing.assert_allclose(float(loss), _reference(logits, targets, weights, 0.1)[0],
+                             rtol=1e-5)
+
+
+def test_padding_is_excluded():
+  logits, targets, weights = _example()
+  loss, total = label_smoothed_cross_entropy(jnp.asarray(logits), jnp.asarray(targets),
+                                             jnp.asarray(weights))
+  # Whatever sits in the padded positions does not matter.
+  garbage_logits = logits.copy()
+  garbage_logits[weights == 0] = 1e4 * np.arange(V)
+  garbage_targets = np.where(weights == 0, 0, targets).astype(np.int32)
+  loss2, total2 = label_smoothed_cross_entropy(jnp.asarray(garbage_logits),
+                                               jnp.asarray(garbage_targets),
+                                               jnp.asarray(weights))
+  np.testing.assert_allclose(float(loss2), float(loss), rtol=1e-6)
+  assert float(total2) == float(total) == 5.0
+  # And the weights scale each token's term.
+  loss3, total3 = label_smoothed_cross_entropy(jnp.asarray(logits), jnp.asarray(targets),
+                                               jnp.asarray(2.0 * weights))
+  np.testing.assert_allclose(float(loss3), 2.0 * float(loss), rtol=1e-6)
+  assert float(total3) == 10.0
+
+
+def test_no_smoothing_is_plain_cross_entropy():
+  logits, targets, weights = _example(2)
+  loss, _ = label_smoothed_cross_entropy(jnp.asarray(logits), jnp.asarray(targets),
+                                         jnp.asarray(weights), label_smoothing=0.0)
+  log_p = _log_softmax(logits)
+  nll = -np.take_along_axis(log_p, targets[..., None], axis=-1)[..., 0]
+  np.testing.assert_allclose(float(loss), float((weights * nll).sum()), rtol=1e-5)
+
+
+def test_no_smoothing_perfect_prediction_is_zero():
+  targets = np.array([[3, 0, 6]], np.int32)
+  logits = 100.0 * jax.nn.one_hot(targets, V)
+  loss, total = label_smoothed_cross_entropy(logits, jnp.asarray(targets),
+                                             jnp.ones((1, 3)), label_smoothing=0.0)
+  assert float(total) == 3.0
+  assert 0.0 <= float(loss) < 1e-6
+
+
+@pytest.mark.parametrize('eps', [0.1, 0.25])
+def test_minimum_is_at_q(eps):
+  _, targets, weights = _example(3)
+  q = _smoothed_targets(targets, eps, V)
+  at_q = jnp.asarray(np.log(q), jnp.float32)
+
+  def loss_fn(logits):
+    return label_smoothed_cross_entropy(logits, jnp.asarray(targets), jnp.asarray(weights),
+                                        label_smoothing=eps)[0]
+
+  loss, grad = jax.value_and_grad(loss_fn)(at_q)
+  assert abs(float(loss)) < 1e-5
+  np.testing.assert_allclose(np.asarray(grad), 0.0, atol=1e-6)  # softmax(log q) - q = 0
+  # Any other logits score higher (the loss is a KL divergence to q, so >= 0).
+  rng = np.random.default_rng(4)
+  for _ in range(3):
+    other = at_q + jnp.asarray(rng.normal(size=at_q.shape), jnp.float32)
+    assert float(loss_fn(other)) > float(loss) + 1e-3
+  # A peaked one-hot prediction is not optimal under smoothing.
+  assert float(loss_fn(100.0 * jax.nn.one_hot(targets, V))) > 1.0

@@ -1,0 +1,98 @@
+"""Tests for transformer_jax.optim: the paper's schedule and Adam settings (tiny; CPU)."""
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from transformer_jax.optim import make_optimizer, rsqrt_schedule
+
+
+def _paper_lr(step, d_model=512, warmup=4000, scale=1.0):
+  """lrate = d_model^-0.5 * min(step^-0.5, step * warmup^-1.5), step counted from 1."""
+  return scale * d_model ** -0.5 * min(step ** -0.5, step * warmup ** -1.5)
+
+
+@pytest.mark.parametrize('count', [0, 1, 399, 3999, 4000, 9999])
+def test_rsqrt_schedule_matches_paper(count):
+  schedule = rsqrt_schedule(512, 4000)
+  np.testing.assert_allclose(float(schedule(count)), _paper_lr(count + 1), rtol=1e-5)
+  scaled = rsqrt_schedule(512, 4000, scale=2.0)
+  np.testing.assert_allclose(float(scaled(count)), 2.0 * _paper_lr(count + 1), rtol=1e-5)
+
+
+def test_rsqrt_schedule_known_values():
+  schedule = rsqrt_schedule(512, 4000)
+  # First update (count 0 = paper step 1): 512^-0.5 * 4000^-1.5.
+  np.testing.assert_allclose(float(schedule(0)), 1.7469281e-7, rtol=1e-5)
+  # Peak at paper step 4000 (count 3999): (512 * 4000)^-0.5.
+  np.testing.assert_allclose(float(schedule(3999)), 6.9877124e-4, rtol=1e-5)
+  assert float(schedule(3998)) < float(schedule(3999))
+  assert float(schedule(4000)) < float(schedule(3999))
+  # Warmup is linear, the decay is 1/sqrt(step).
+  np.testing.assert_allclose(float(schedule(1999)), 0.5 * float(schedule(3999)), rtol=1e-5)
+  np.testing.assert_allclose(float(schedule(15999)), 0.5 * float(schedule(3999)), rtol=1e-5)
+
+
+def _adam_reference(grads, lrs, b1=0.9, b2=0.98, eps=1e-9):
+  """Adam (Kingma & Ba) with bias correction, eps outside the square root, in float64."""
+  m = v = 0.0
+  updates = []
+  for t, (g, lr) in enumerate(zip(grads, lrs), start=1):
+    g = np.asarray(g, np.float64)
+    m = b1 * m + (1 - b1) * g
+    v = b2 * v + (1 - b2) * g * g
+    m_hat, v_hat = m / (1 - b1 ** t), v / (1 - b2 ** t)
+    updates.append(-lr * m_hat / (np.sqrt(v_hat) + eps))
+  return updates
+
+
+def test_make_optimizer_is_papers_adam():
+  optimizer, schedule = make_optimizer(d_model=512, warmup_steps=4000)
+  # 1e-9 is the size of eps, so the eps term is visible in the update (-lr / 2 there).
+  g1 = np.array([0.5, -2.0, 1e-9, 3e-4], np.float32)
+  g2 = np.array([-1.0, 0.5, 1e-9, 1e-2], np.float32)
+  params = {'w': jnp.zeros(4)}
+  state = optimizer.init(params)
+  got = []
+  for g in (g1, g2):
+    updates, state = optimizer.update({'w': jnp.asarray(g)}, state, params)
+    got.append(np.asarray(updates['w']))
+  lrs = [float(schedule(0)), float(schedule(1))]
+  expected = _adam_reference([g1, g2], lrs)
+  # First step: bias correction makes it -lr * g / (|g| + eps).
+  np.testing.assert_allclose(expected[0],
+                             -lrs[0] * g1.astype(np.float64) / (np.abs(g1) + 1e-9), rtol=1e-7)
+  np.testing.assert_allclose(got[0][2], -lrs[0] / 2, rtol=1e-5)
+  for step in range(2):
+    np.testing.assert_allclose(got[step], expected[step], rtol=1e-5)
+  # The second step depends on b1 and b2: optax's default b2=0.999 (or another b1) would
+  # not match (they differ by > 0.1% where the check above allows 1e-5).
+  for b1, b2 in ((0.9, 0.999), (0.8, 0.98)):
+    other = _adam_reference([g1, g2], lrs, b1=b1, b2=b2)
+    assert not np.allclose(got[1], other[1], rtol=1e-3, atol=0)
+
+
+def test_make_optimizer_clips_global_norm():
+  optimizer, schedule = make_optimizer(d_model=512, warmup_steps=4000, grad_clip_norm=1.0)
+  g1 = np.array([30.0, -40.0], np.float32)  # norm 50 -> clipped to [0.6, -0.8]
+  g2 = np.array([0.3, 0.4], np.float32)  # norm 0.5 -> unchanged
+  params = {'w': jnp.zeros(2)}
+  state = optimizer.init(params)
+  got = []
+  for g in (g1, g2):
+    updates, state = optimizer.update({'w': jnp.asarray(g)}, state, params)
+    got.append(np.asarray(updates['w']))
+  expected = _adam_reference([g1 / 50.0, g2], [float(schedule(0)), float(schedule(1))])
+  for step in range(2):
+    np.testing.assert_allclose(got[step], expected[step], rtol=1e-5)
+  # Without clipping the second update differs (Adam is scale-invariant only per step).
+  unclipped = _adam_reference([g1, g2], [float(schedule(0)), float(schedule(1))])
+  assert np.abs(unclipped[1] - expected[1]).max() > 1e-2 * np.abs(expected[1]).max()
+
+
+def test_make_optimizer_scale():
+  _, schedule = make_optimizer(d_model=512, warmup_steps=4000, learning_rate_scale=2.0)
+  np.testing.assert_allclose(float(schedule(3999)), 2.0 * _paper_lr(4000), rtol=1e-5)
+  assert isinstance(make_optimizer(d_model=512, warmup_steps=4000)[0],
+                    optax.GradientTransformation)

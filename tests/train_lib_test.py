@@ -1,0 +1,155 @@
+"""Training: the loss falls, a resumed run equals an uninterrupted one, 8 devices equal 1."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import REPO_ROOT, tiny_config
+from transformer_jax import train_lib
+from transformer_jax.checkpointing import Checkpointer
+from transformer_jax.config import UserInputError
+
+
+def _final_params(workdir):
+  with Checkpointer(os.path.join(workdir, 'checkpoints'), async_save=False) as checkpointer:
+    step = checkpointer.latest_step()
+    abstract = jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                       sharding=jax.sharding.SingleDeviceSharding(
+                                           jax.devices()[0])),
+        _abstract_params(workdir))
+    return step, checkpointer.restore_params(abstract, step)
+
+
+def _abstract_params(workdir):
+  from transformer_jax.translate import Translator  # Reuses the workdir's saved config.
+  import json
+  with open(os.path.join(workdir, 'config.json')) as f:
+    saved = json.load(f)
+  from transformer_jax.config import TransformerConfig
+  from transformer_jax.models import Transformer
+  import flax.linen as nn
+  import jax.numpy as jnp
+  model = Transformer(TransformerConfig.from_dict(saved['model']))
+  dummy = jnp.ones((1, 1), jnp.int32)
+  return nn.meta.unbox(jax.eval_shape(model.init, jax.random.PRNGKey(0), dummy, dummy)['params'])
+
+
+def test_shift_right_starts_with_bos():
+  targets = np.array([[5, 6, 1, 0], [7, 1, 0, 0]])
+  np.testing.assert_array_equal(train_lib.shift_right(targets),
+                                [[2, 5, 6, 1], [2, 7, 1, 0]])
+
+
+def test_training_lowers_the_loss(tmp_path, data_dir):
+  config = tiny_config(data_dir)
+  config.num_train_steps = 80
+  config.warmup_steps = 20
+  config.learning_rate_scale = 0.15  # Peak lr 0.15 * 32^-0.5 * 20^-0.5 = 5.9e-3.
+  config.eval_every_steps = 80
+  config.checkpoint_every_steps = 80
+  metrics = train_lib.train_and_evaluate(config, str(tmp_path))
+
+  # The same model untrained (same seed, same vocabulary), on the same validation batches.
+  from transformer_jax import input_pipeline
+  from transformer_jax.tokenizer import Tokenizer
+  tokenizer = Tokenizer.load(str(tmp_path / 'vocab.model'))
+  trainer = train_lib.Trainer(config, train_lib.model_config_from(config, tokenizer.vocab_size))
+  sources = input_pipeline.load_data_sources(config, data_dir)
+  split = input_pipeline.TokenizedSplit.build(sources['validation'], tokenizer, config)
+  batches = input_pipeline.make_eval_batches(split, config, batch_size=64)
+  untrained = trainer.evaluate(trainer.init_state(config.seed).params, batches)
+
+  assert untrained['loss'] > 3.5, untrained  # ~log(96) minus the smoothing entropy.
+  assert metrics['loss'] < 0.6 * untrained['loss'], (metrics, untrained)
+  assert metrics['token_accuracy'] > 0.4, metrics
+
+
+def test_resumed_run_equals_uninterrupted_run(tmp_path, data_dir):
+  config = tiny_config(data_dir)
+  config.num_train_steps = 8
+  train_lib.train_and_evaluate(config, str(tmp_path / 'straight'))
+
+  interrupted = str(tmp_path / 'interrupted')
+  config.num_train_steps = 4
+  train_lib.train_and_evaluate(config, interrupted)
+  config.num_train_steps = 8
+  train_lib.train_and_evaluate(config, interrupted)  # Same command again: resumes at 4.
+
+  step_a, params_a = _final_params(str(tmp_path / 'straight'))
+  step_b, params_b = _final_params(interrupted)
+  assert step_a == step_b == 8
+  for a, b in zip(jax.tree_util.tree_leaves(params_a), jax.tree_util.tree_leaves(params_b)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # Bitwise.
+
+
+def test_resume_with_a_different_model_is_refused(tmp_path, data_dir):
+  config = tiny_config(data_dir)
+  config.num_train_steps = 4
+  train_lib.train_and_evaluate(config, str(tmp_path))
+  config.model.d_ff = 128
+  with pytest.raises(UserInputError, match='d_ff: 64 -> 128'):
+    train_lib.train_and_evaluate(config, str(tmp_path))
+
+
+@pytest.mark.parametrize('field, value', [('per_device_batch_size', 0),
+                                          ('num_train_steps', -5)])
+def test_invalid_config_names_the_field(tmp_path, data_dir, field, value):
+  config = tiny_config(data_dir)
+  config[field] = value
+  with pytest.raises(UserInputError, match=f'config.{field}'):
+    train_lib.train_and_evaluate(config, str(tmp_path))
+
+
+def test_invalid_model_size_names_the_field(tmp_path, data_dir):
+  config = tiny_config(data_dir)
+  config.model.num_heads = 3  # 32 is not divisible by 3.
+  with pytest.raises(UserInputError, match='d_model=32 is not divisible by num_heads=3'):
+    train_lib.train_and_evaluate(config, str(tmp_path))
+
+
+_EIGHT_DEVICES = textwrap.dedent('''
+    import os, sys
+    os.environ['XLA_FLAGS'] = '--xla_force_host_platform_device_count=8'
+    sys.path.insert(0, {repo!r}); sys.path.insert(0, {tests!r})
+    import jax, numpy as np
+    assert jax.device_count() == 8, jax.devices()
+    from conftest import tiny_config
+    from transformer_jax import sharding, train_lib
+    config = tiny_config('unused')
+    model_config = train_lib.model_config_from(config, 96)
+    rng = np.random.default_rng(0)
+    batch = {{'inputs': rng.integers(4, 96, (16, 24)).astype(np.int32),
+             'targets': rng.integers(4, 96, (16, 20)).astype(np.int32)}}
+    batch['inputs'][:, 15:] = 0   # Padding, so masking takes part.
+    batch['targets'][3:, 12:] = 0
+    results = []
+    for devices in (jax.devices()[:1], jax.devices()):
+      mesh = sharding.create_mesh((-1,), devices=devices)
+      trainer = train_lib.Trainer(config, model_config, mesh)
+      state = trainer.init_state(seed=0)
+      state, metrics = trainer.step(state, batch)
+      state, metrics = trainer.step(state, batch)
+      assert len(state.params['encoder_layers']['ffn']['wi']['kernel'].sharding.device_set) \\
+          == len(devices)
+      results.append((jax.device_get(metrics), jax.device_get(state.params)))
+    (m1, p1), (m8, p8) = results
+    np.testing.assert_allclose(m1['loss_sum'], m8['loss_sum'], rtol=1e-5)
+    np.testing.assert_allclose(m1['grad_norm'], m8['grad_norm'], rtol=1e-5)
+    for a, b in zip(jax.tree_util.tree_leaves(p1), jax.tree_util.tree_leaves(p8)):
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    print('OK', float(m1['loss_sum']), float(m8['loss_sum']))
+''')
+
+
+def test_eight_devices_equal_one():
+  code = _EIGHT_DEVICES.format(repo=REPO_ROOT, tests=os.path.join(REPO_ROOT, 'tests'))
+  result = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
+                          timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert 'OK' in result.stdout

@@ -1,0 +1,73 @@
+"""End to end through the command lines: train.py on a shrunken config, then translate."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO_ROOT
+
+_TINY_FLAGS = [
+    '--config.dataset=number_words/tiny', '--config.vocab_size=96',
+    '--config.model.d_model=32', '--config.model.d_ff=64', '--config.model.num_heads=2',
+    '--config.model.num_encoder_layers=1', '--config.model.num_decoder_layers=1',
+    '--config.model.max_len=32', '--config.per_device_batch_size=16',
+    '--config.num_train_steps=6', '--config.log_every_steps=3', '--config.eval_every_steps=6',
+    '--config.checkpoint_every_steps=3', '--config.eval_decode_examples=20',
+    '--config.eval_batch_size=32', '--config.final_test_decode=True',
+]
+
+
+def _run(args, stdin=None, timeout=300):
+  return subprocess.run([sys.executable, *args], input=stdin, capture_output=True,
+                        cwd=REPO_ROOT, timeout=timeout)
+
+
+@pytest.fixture(scope='module')
+def trained_workdir(tmp_path_factory, data_dir):
+  workdir = str(tmp_path_factory.mktemp('workdir'))
+  result = _run(['train.py', f'--workdir={workdir}', f'--config.data_dir={data_dir}',
+                 *_TINY_FLAGS])
+  assert result.returncode == 0, result.stderr.decode()[-3000:]
+  return workdir, result.stderr.decode()
+
+
+def test_train_py_writes_everything_inference_needs(trained_workdir):
+  workdir, log = trained_workdir
+  for name in ('config.json', 'vocab.model', 'checkpoints', 'tensorboard'):
+    assert os.path.exists(os.path.join(workdir, name)), name
+  assert sorted(os.listdir(os.path.join(workdir, 'checkpoints'))) == ['3', '6']
+  assert 'step 6/6 | loss' in log and 'tok/s' in log and 'ETA' in log
+  assert 'test exact match' in log
+  assert any(f.startswith('events.out.tfevents')
+             for f in os.listdir(os.path.join(workdir, 'tensorboard')))
+
+
+def test_translate_keeps_one_line_per_input_line(trained_workdir):
+  workdir, _ = trained_workdir
+  lines = ['three hundred forty-two', '', 'seven', '   ', 'ünïcødé ✓ 数字', 'one ' * 40]
+  stdin = ('\n'.join(lines) + '\n').encode() + b'\xff\xfe invalid utf-8\n'
+  result = _run(['-m', 'transformer_jax.translate', f'--workdir={workdir}'], stdin=stdin)
+  assert result.returncode == 0, result.stderr.decode()[-3000:]
+  outputs = result.stdout.decode().split('\n')
+  assert outputs[-1] == ''  # Trailing newline.
+  outputs = outputs[:-1]
+  assert len(outputs) == len(lines) + 1
+  assert outputs[1] == '' and outputs[3] == ''  # Empty in, empty out.
+
+
+def test_translate_without_checkpoint_is_a_one_line_error(tmp_path):
+  result = _run(['-m', 'transformer_jax.translate', f'--workdir={tmp_path}'], stdin=b'one\n')
+  assert result.returncode == 2
+  stderr = result.stderr.decode().strip()
+  assert stderr.startswith('error: ') and 'config.json' in stderr and '\n' not in stderr
+
+
+def test_train_py_invalid_size_is_a_one_line_error(tmp_path, data_dir):
+  result = _run(['train.py', f'--workdir={tmp_path}', f'--config.data_dir={data_dir}',
+                 *_TINY_FLAGS, '--config.model.d_ff=0'])
+  assert result.returncode == 2
+  error_lines = [l for l in result.stderr.decode().splitlines() if l.startswith('error: ')]
+  assert error_lines == ['error: TransformerConfig.d_ff must be a positive integer, got 0']
+  assert 'Traceback' not in result.stderr.decode()

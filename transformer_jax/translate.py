@@ -1,0 +1,145 @@
+"""Translate with a trained workdir: `Translator` in Python, `python -m transformer_jax.translate`.
+
+    python -m transformer_jax.translate --workdir=DIR < source.txt > hypotheses.txt
+
+Reads one sentence per line from stdin and writes exactly one translation per line to stdout,
+in order (an empty line gives an empty line).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags, logging
+
+from transformer_jax import inference
+from transformer_jax.checkpointing import Checkpointer
+from transformer_jax.config import TransformerConfig, UserInputError
+from transformer_jax.decode import strip_after_eos
+from transformer_jax.metric_writers import quiet_library_logs
+from transformer_jax.models import Transformer
+from transformer_jax.tokenizer import EOS_ID, PAD_ID, Tokenizer
+
+_MIN_BUCKET = 8
+# Extra target positions beyond the source length that decoding may use.
+_EXTRA_DECODE_LENGTH = 50
+
+
+def _bucket(length: int, limit: int) -> int:
+  """Smallest power of two >= length (at least 8, at most limit): few shapes, few compiles."""
+  bucket = _MIN_BUCKET
+  while bucket < length:
+    bucket *= 2
+  return min(bucket, limit)
+
+
+class Translator:
+  """Greedy translation with a restored model: `.translate(list_of_str) -> list_of_str`."""
+
+  def __init__(self, model_config: TransformerConfig, params, tokenizer: Tokenizer,
+               batch_size: int = 64):
+    self.model_config = model_config
+    self.model = Transformer(model_config)
+    self.params = params
+    self.tokenizer = tokenizer
+    self.batch_size = batch_size
+    self._decode = jax.jit(
+        lambda params, src, max_decode_len: inference.greedy_decode(
+            self.model, params, src, max_decode_len=max_decode_len),
+        static_argnums=(2,))
+
+  @classmethod
+  def from_checkpoint(cls, workdir: str, checkpoint: int | None = None,
+                      batch_size: int = 64) -> 'Translator':
+    """Loads the config, vocabulary and the parameters of a checkpoint (default: latest)."""
+    config_path = os.path.join(workdir, 'config.json')
+    if not os.path.exists(config_path):
+      raise FileNotFoundError(f'{config_path} not found: is {workdir} a training workdir?')
+    with open(config_path) as f:
+      try:
+        saved = json.load(f)
+      except json.JSONDecodeError as error:
+        raise UserInputError(f'{config_path}: not valid JSON ({error})') from None
+    model_config = TransformerConfig.from_dict(saved['model'])
+    tokenizer = Tokenizer.load(os.path.join(workdir, 'vocab.model'))
+    if tokenizer.vocab_size != model_config.vocab_size:
+      raise UserInputError(f'{tokenizer.path}: vocabulary has {tokenizer.vocab_size} pieces but the '
+                       f'model in {config_path} expects {model_config.vocab_size}')
+    model = Transformer(model_config)
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    dummy = jnp.ones((1, 1), jnp.int32)
+    abstract = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), dummy, dummy))
+    abstract_params = jax.tree_util.tree_map(
+        lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=device),
+        nn.meta.unbox(abstract['params']))
+    with Checkpointer(os.path.join(workdir, 'checkpoints'), async_save=False) as checkpointer:
+      params = checkpointer.restore_params(abstract_params, checkpoint)
+    return cls(model_config, params, tokenizer, batch_size)
+
+  def translate(self, sentences: Sequence[str]) -> list[str]:
+    """One translation per input sentence, in order. Empty input gives empty output."""
+    max_len = self.model_config.max_len
+    encoded: list[list[int] | None] = []
+    for index, sentence in enumerate(sentences):
+      if not sentence.strip():
+        encoded.append(None)
+        continue
+      ids = self.tokenizer.encode(sentence)
+      if len(ids) + 1 > max_len:
+        logging.warning('sentence %d has %d tokens; truncated to the model maximum %d',
+                        index, len(ids) + 1, max_len)
+        ids = ids[:max_len - 1]
+      encoded.append(ids + [EOS_ID])
+    outputs = [''] * len(sentences)
+    # Sorting by length keeps padding (and the number of distinct shapes) small.
+    order = sorted((i for i, ids in enumerate(encoded) if ids is not None),
+                   key=lambda i: len(encoded[i]))
+    for start in range(0, len(order), self.batch_size):
+      rows = order[start:start + self.batch_size]
+      source_length = _bucket(max(len(encoded[i]) for i in rows), max_len)
+      src = np.full((self.batch_size, source_length), PAD_ID, np.int32)
+      for row, index in enumerate(rows):
+        src[row, :len(encoded[index])] = encoded[index]
+      max_decode_len = min(max_len, source_length + _EXTRA_DECODE_LENGTH)
+      tokens = np.asarray(self._decode(self.params, src, max_decode_len))
+      for row, ids in zip(rows, strip_after_eos(tokens, EOS_ID, pad_id=PAD_ID)):
+        outputs[row] = self.tokenizer.decode(ids)
+    return outputs
+
+
+FLAGS = flags.FLAGS
+
+
+def _define_flags():
+  flags.DEFINE_string('workdir', None, 'Training workdir (config.json, vocab.model, checkpoints).')
+  flags.DEFINE_integer('checkpoint', None, 'Checkpoint step to load (default: the latest).')
+  flags.DEFINE_integer('batch_size', 64, 'Sentences decoded together.')
+  flags.mark_flags_as_required(['workdir'])
+
+
+def main(argv):
+  del argv
+  quiet_library_logs()
+  try:
+    translator = Translator.from_checkpoint(FLAGS.workdir, FLAGS.checkpoint, FLAGS.batch_size)
+  except (FileNotFoundError, UserInputError) as error:
+    print(f'error: {error}', file=sys.stderr)
+    sys.exit(2)
+  # Bytes that are not UTF-8 become U+FFFD instead of ending the run.
+  lines = [line.decode('utf-8', errors='replace').rstrip('\r\n')
+           for line in sys.stdin.buffer]
+  for translation in translator.translate(lines):
+    sys.stdout.write(translation.replace('\n', ' ') + '\n')
+  sys.stdout.flush()
+
+
+if __name__ == '__main__':
+  _define_flags()
+  app.run(main)
