@@ -10,34 +10,18 @@ import numpy as np
 import pytest
 
 from conftest import REPO_ROOT, tiny_config
-from transformer_jax import train_lib
+from transformer_jax import input_pipeline, train_lib
 from transformer_jax.checkpointing import Checkpointer
 from transformer_jax.config import UserInputError
+from transformer_jax.tokenizer import Tokenizer
+from transformer_jax.translate import Translator
 
 
 def _final_params(workdir):
+  """(latest step, its parameters) of a workdir, restored on one device."""
   with Checkpointer(os.path.join(workdir, 'checkpoints'), async_save=False) as checkpointer:
     step = checkpointer.latest_step()
-    abstract = jax.tree_util.tree_map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                       sharding=jax.sharding.SingleDeviceSharding(
-                                           jax.devices()[0])),
-        _abstract_params(workdir))
-    return step, checkpointer.restore_params(abstract, step)
-
-
-def _abstract_params(workdir):
-  from transformer_jax.translate import Translator  # Reuses the workdir's saved config.
-  import json
-  with open(os.path.join(workdir, 'config.json')) as f:
-    saved = json.load(f)
-  from transformer_jax.config import TransformerConfig
-  from transformer_jax.models import Transformer
-  import flax.linen as nn
-  import jax.numpy as jnp
-  model = Transformer(TransformerConfig.from_dict(saved['model']))
-  dummy = jnp.ones((1, 1), jnp.int32)
-  return nn.meta.unbox(jax.eval_shape(model.init, jax.random.PRNGKey(0), dummy, dummy)['params'])
+  return step, Translator.from_checkpoint(workdir, step).params
 
 
 def test_shift_right_starts_with_bos():
@@ -56,8 +40,6 @@ def test_training_lowers_the_loss(tmp_path, data_dir):
   metrics = train_lib.train_and_evaluate(config, str(tmp_path))
 
   # The same model untrained (same seed, same vocabulary), on the same validation batches.
-  from transformer_jax import input_pipeline
-  from transformer_jax.tokenizer import Tokenizer
   tokenizer = Tokenizer.load(str(tmp_path / 'vocab.model'))
   trainer = train_lib.Trainer(config, train_lib.model_config_from(config, tokenizer.vocab_size))
   sources = input_pipeline.load_data_sources(config, data_dir)

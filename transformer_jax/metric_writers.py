@@ -64,4 +64,6 @@ class _OnlyOwnInfo(python_logging.Filter):
 
 def quiet_library_logs() -> None:
   """Keeps the console to this project's progress lines plus everyone's warnings and errors."""
-  python_logging.getLogger('absl').addFilter(_OnlyOwnInfo())
+  # On the handler, not a logger: libraries log through their own loggers (jax, orbax via absl),
+  # and a logger's filter only sees records logged to that logger directly.
+  logging.get_absl_handler().addFilter(_OnlyOwnInfo())
