@@ -30,6 +30,9 @@ def main(argv):
     # A mistake in what was given, not a bug: one line, no traceback, non-zero exit.
     print(f'error: {error}', file=sys.stderr)
     sys.exit(2)
+  except train_lib.NonFiniteError as error:
+    print(f'error: {error}', file=sys.stderr)
+    sys.exit(3)
 
 
 if __name__ == '__main__':

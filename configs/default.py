@@ -87,6 +87,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.grad_clip_norm = 0.0
   # Label smoothing epsilon_ls (the paper: 0.1).
   config.label_smoothing = 0.1
+  # Stop after this many consecutive steps whose loss or gradient is NaN/Inf (each is skipped).
+  config.max_consecutive_nonfinite_steps = 10
   # Seed of parameter initialisation, dropout and data order.
   config.seed = 0
 

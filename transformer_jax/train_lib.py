@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import signal
 import time
 from typing import Any
 
@@ -19,7 +20,6 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
-from absl import logging
 from flax import struct
 from flax.training import train_state
 
@@ -32,6 +32,7 @@ from transformer_jax.metric_writers import MetricWriter, format_duration, log
 from transformer_jax.models import Transformer
 from transformer_jax.optim import make_optimizer
 from transformer_jax.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
+from transformer_jax.workdir_lock import WorkdirLock
 
 CONFIG_FILE = 'config.json'
 VOCAB_FILE = 'vocab.model'
@@ -39,9 +40,15 @@ CHECKPOINT_DIR = 'checkpoints'
 
 
 class TrainState(train_state.TrainState):
-  """step, params, opt_state (from flax) + the base key all dropout masks derive from."""
+  """step, params, opt_state (from flax) + dropout key and the count of skipped updates."""
 
   dropout_rng: jax.Array  # uint32[2]; step t uses fold_in(dropout_rng, t).
+  skipped_steps: jax.Array  # int32: updates skipped because the loss or a gradient was NaN/Inf.
+  nonfinite_streak: jax.Array  # int32: consecutive skipped updates ending at the last step.
+
+
+class NonFiniteError(RuntimeError):
+  """Too many consecutive steps with a NaN/Inf loss or gradient."""
 
 
 def model_config_from(config: ml_collections.ConfigDict, vocab_size: int) -> TransformerConfig:
@@ -75,9 +82,20 @@ def train_step(state: TrainState, batch: dict, *, model: Transformer, learning_r
     return metrics['loss_sum'] / jnp.maximum(metrics['token_count'], 1.0), metrics
 
   grads, metrics = jax.grad(loss_fn, has_aux=True)(state.params)
-  new_state = state.apply_gradients(grads=grads)
+  grad_norm = optax.tree.norm(grads)
+  finite = jnp.isfinite(metrics['loss_sum']) & jnp.isfinite(grad_norm)
+  updated = state.apply_gradients(grads=grads)
+  # A NaN/Inf loss or gradient skips the update: parameters and optimiser moments stay as they
+  # were (so they are never non-finite), while the step (and so the data and dropout) advances.
+  keep_old = lambda new, old: jnp.where(finite, new, old)
+  new_state = updated.replace(
+      params=jax.tree_util.tree_map(keep_old, updated.params, state.params),
+      opt_state=jax.tree_util.tree_map(keep_old, updated.opt_state, state.opt_state),
+      skipped_steps=state.skipped_steps + (~finite).astype(jnp.int32),
+      nonfinite_streak=jnp.where(finite, 0, state.nonfinite_streak + 1).astype(jnp.int32))
   metrics['learning_rate'] = learning_rate_fn(state.step)
-  metrics['grad_norm'] = optax.tree.norm(grads)
+  metrics['grad_norm'] = grad_norm
+  metrics['nonfinite_streak'] = new_state.nonfinite_streak
   return new_state, metrics
 
 
@@ -118,6 +136,10 @@ class Trainer:
         functools.partial(eval_step, model=self.model, label_smoothing=config.label_smoothing),
         in_shardings=(self.state_shardings.params, self.batch_sharding),
         out_shardings=replicated)
+    self.all_finite = jax.jit(
+        lambda params: jnp.all(jnp.stack([jnp.all(jnp.isfinite(x))
+                                          for x in jax.tree_util.tree_leaves(params)])),
+        in_shardings=(self.state_shardings.params,), out_shardings=replicated)
     self.greedy_decode = jax.jit(
         functools.partial(inference.greedy_decode, self.model,
                           max_decode_len=config.max_target_length),
@@ -130,7 +152,8 @@ class Trainer:
     target = jnp.ones((1, self.config.max_target_length), jnp.int32)
     params = self.model.init({'params': params_rng}, source, target)['params']
     return TrainState.create(apply_fn=self.model.apply, params=params, tx=self.optimizer,
-                             dropout_rng=dropout_rng)
+                             dropout_rng=dropout_rng, skipped_steps=jnp.zeros((), jnp.int32),
+                             nonfinite_streak=jnp.zeros((), jnp.int32))
 
   def init_state(self, seed: int) -> TrainState:
     """Parameters and optimiser state created directly in their shardings."""
@@ -213,18 +236,56 @@ def _validate(config: ml_collections.ConfigDict) -> None:
     value = config[name]
     if not isinstance(value, int) or value <= 0:
       raise UserInputError(f'config.{name} must be a positive integer, got {value!r}')
+  if (not isinstance(config.max_consecutive_nonfinite_steps, int)
+      or config.max_consecutive_nonfinite_steps < 1):
+    raise UserInputError('config.max_consecutive_nonfinite_steps must be a positive integer, '
+                         f'got {config.max_consecutive_nonfinite_steps!r}')
   if not 0.0 <= config.label_smoothing < 1.0:
     raise UserInputError(f'config.label_smoothing must be in [0, 1), got {config.label_smoothing}')
+
+
+class _PreemptionFlag:
+  """Set by SIGTERM/SIGINT; the loop checks it between steps, saves and exits cleanly."""
+
+  def __init__(self):
+    self.signal_name = None
+    self._previous = {}
+
+  def __enter__(self):
+    for signum in (signal.SIGTERM, signal.SIGINT):
+      self._previous[signum] = signal.signal(signum, self._handle)
+    return self
+
+  def _handle(self, signum, frame):
+    del frame
+    self.signal_name = signal.Signals(signum).name
+
+  def should_stop(self, step: int) -> bool:
+    if jax.process_count() > 1:
+      # Every process must stop at the same step to save collectively.
+      from jax.experimental import multihost_utils
+      return bool(multihost_utils.reached_preemption_sync_point(step)) or (
+          self.signal_name is not None)
+    return self.signal_name is not None
+
+  def __exit__(self, *exc):
+    for signum, handler in self._previous.items():
+      signal.signal(signum, handler)
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   """Trains (resuming from the workdir's latest checkpoint if any), evaluates, checkpoints.
 
   Returns the last evaluation's metrics (and the final test exact match when configured).
+  SIGTERM/SIGINT save a checkpoint at the current step and return early with 'preempted': 1.
   """
   _validate(config)
   workdir = os.path.abspath(workdir)
-  os.makedirs(workdir, exist_ok=True)
+  with WorkdirLock(workdir), _PreemptionFlag() as preemption:
+    return _train_and_evaluate(config, workdir, preemption)
+
+
+def _train_and_evaluate(config, workdir, preemption: _PreemptionFlag) -> dict[str, float]:
   data_dir = config.data_dir or os.path.join(workdir, 'data')
   sources = input_pipeline.load_data_sources(config, data_dir)
   tokenizer = input_pipeline.load_or_train_tokenizer(config, workdir,
@@ -236,8 +297,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   trainer = Trainer(config, model_config)
   device_count = trainer.mesh.devices.size
   if config.eval_batch_size % device_count:
-    raise UserInputError(f'config.eval_batch_size={config.eval_batch_size} must be a multiple of '
-                     f'the {device_count} devices')
+    raise UserInputError(f'config.eval_batch_size={config.eval_batch_size} must be a multiple '
+                         f'of the {device_count} devices')
   local_batch_size = config.per_device_batch_size * jax.local_device_count()
   train_iterator = input_pipeline.make_train_iterator(
       tokenized[config.train_split], config, batch_size=local_batch_size,
@@ -253,9 +314,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     state, data_state = checkpointer.restore(trainer.abstract_state, latest)
     train_iterator.set_state(data_state['train_iterator'])
     start_step = int(state.step)
-    logging.info('Resumed from %s at step %d', checkpointer.directory, start_step)
+    log(f'resumed from {checkpointer.directory} at step {start_step}')
   num_params = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
-  logging.info('Model: %s parameters, %s', f'{num_params:,}', model_config)
+  log(f'model: {num_params:,} parameters, {model_config}')
 
   eval_batches = input_pipeline.make_eval_batches(
       tokenized[config.eval_split], config, batch_size=config.eval_batch_size)
@@ -275,32 +336,61 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     log(f'eval step {step}: ' + ', '.join(f'{k} {v:.4f}' for k, v in metrics.items()))
     return metrics
 
+  def save(step):
+    # Skipped updates keep parameters finite; this guards against anything else.
+    if not bool(trainer.all_finite(state.params)):
+      raise NonFiniteError(f'parameters are not finite at step {step}; not checkpointing')
+    checkpointer.save(step, state, {'train_iterator': train_iterator.get_state()})
+
   step = start_step
+  previous_metrics = None
   for step in range(start_step + 1, config.num_train_steps + 1):
     state, metrics = trainer.step(state, next(train_iterator))
     pending.append(metrics)
+    # Check the previous step's streak: it is done by now, so this does not stall the device.
+    if previous_metrics is not None:
+      streak = int(previous_metrics['nonfinite_streak'])
+      if streak >= config.max_consecutive_nonfinite_steps:
+        checkpointer.close()
+        raise NonFiniteError(
+            f'loss or gradients were NaN/Inf for {streak} consecutive steps '
+            f'({step - streak}..{step - 1}); stopping. The latest checkpoint '
+            f'({checkpointer.latest_step()}) holds finite parameters: lower the learning '
+            'rate or inspect the data before resuming')
+    previous_metrics = metrics
     if step % config.log_every_steps == 0 or step == config.num_train_steps:
       totals = jax.device_get(pending)
       pending = []
       tokens = sum(float(m['token_count']) for m in totals)
-      loss = sum(float(m['loss_sum']) for m in totals) / max(tokens, 1.0)
+      loss = sum(float(m['loss_sum']) for m in totals
+                 if np.isfinite(m['loss_sum'])) / max(tokens, 1.0)
       elapsed = time.time() - window_start
       steps_per_second = (step - window_step) / max(elapsed, 1e-9)
       scalars = {'train/loss': loss, 'train/learning_rate': float(totals[-1]['learning_rate']),
                  'train/grad_norm': float(totals[-1]['grad_norm']),
                  'train/target_tokens_per_second': tokens / max(elapsed, 1e-9),
-                 'train/steps_per_second': steps_per_second}
+                 'train/steps_per_second': steps_per_second,
+                 'train/skipped_steps': float(jax.device_get(state.skipped_steps))}
       writer.write_scalars(step, scalars)
       eta = (config.num_train_steps - step) / max(steps_per_second, 1e-9)
+      skipped = int(scalars['train/skipped_steps'])
       log(f'step {step}/{config.num_train_steps} | loss {loss:.4f} | '
           f'lr {scalars["train/learning_rate"]:.2e} | '
           f'{scalars["train/target_tokens_per_second"]:,.0f} tok/s | '
-          f'{steps_per_second:.2f} steps/s | ETA {format_duration(eta)}')
+          f'{steps_per_second:.2f} steps/s | ETA {format_duration(eta)}'
+          + (f' | {skipped} non-finite steps skipped' if skipped else ''))
       window_start, window_step = time.time(), step
+    if preemption.should_stop(step):
+      save(step)
+      checkpointer.close()
+      writer.close()
+      log(f'{preemption.signal_name or "preemption"} received: checkpoint saved at step {step}; '
+          'rerun the same command to resume')
+      return {**eval_metrics, 'preempted': 1.0, 'step': float(step)}
     if step % config.eval_every_steps == 0 or step == config.num_train_steps:
       eval_metrics = run_eval(step)
     if step % config.checkpoint_every_steps == 0 or step == config.num_train_steps:
-      checkpointer.save(step, state, {'train_iterator': train_iterator.get_state()})
+      save(step)
       # Evaluation and checkpoint saving are not training time.
       window_start = time.time()
 

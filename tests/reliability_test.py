@@ -1,0 +1,139 @@
+"""Never lose a run: non-finite steps skipped, one run per workdir, SIGTERM saves and exits 0."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from conftest import REPO_ROOT, tiny_config
+from transformer_jax import train_lib
+from transformer_jax.checkpointing import Checkpointer
+from transformer_jax.config import UserInputError
+from transformer_jax.workdir_lock import WorkdirLock
+
+
+class _ScaledModel:
+  """Stand-in for the Transformer: logits = w * log(inputs[0, 0] - 5).
+
+  A batch whose first source token is 5 gives log(0) = -inf, so its loss and gradients are
+  non-finite; any other batch is an ordinary finite step.
+  """
+
+  def apply(self, variables, inputs, targets_in, deterministic=True, rngs=None):
+    del deterministic, rngs
+    w = variables['params']['w']  # [vocab]
+    scale = jnp.log(inputs[0, 0].astype(jnp.float32) - 5.0)
+    return jnp.broadcast_to(w * scale, (*targets_in.shape, w.shape[0]))
+
+
+def _state():
+  params = {'w': jnp.linspace(-1.0, 1.0, 8)}
+  return train_lib.TrainState.create(
+      apply_fn=None, params=params, tx=optax.adam(1e-2), dropout_rng=jax.random.PRNGKey(0),
+      skipped_steps=jnp.zeros((), jnp.int32), nonfinite_streak=jnp.zeros((), jnp.int32))
+
+
+def _batch(first_token):
+  return {'inputs': jnp.array([[first_token, 7, 1]], jnp.int32),
+          'targets': jnp.array([[4, 6, 1, 0]], jnp.int32)}
+
+
+def test_nonfinite_step_is_skipped_and_counted():
+  step = jax.jit(lambda s, b: train_lib.train_step(
+      s, b, model=_ScaledModel(), learning_rate_fn=lambda count: 1e-2, label_smoothing=0.1))
+  state = _state()
+  state, metrics = step(state, _batch(9))  # Finite.
+  assert int(metrics['nonfinite_streak']) == 0
+  before = jax.device_get(state)
+
+  for expected_streak in (1, 2):
+    state, metrics = step(state, _batch(5))  # log(0): NaN/Inf loss and gradients.
+    assert not np.isfinite(float(metrics['loss_sum']))
+    assert int(metrics['nonfinite_streak']) == expected_streak
+  after = jax.device_get(state)
+  np.testing.assert_array_equal(after.params['w'], before.params['w'])  # Update skipped.
+  for a, b in zip(jax.tree_util.tree_leaves(after.opt_state),
+                  jax.tree_util.tree_leaves(before.opt_state)):
+    np.testing.assert_array_equal(a, b)
+  assert int(after.step) == 3 and int(after.skipped_steps) == 2
+
+  state, metrics = step(state, _batch(9))  # Finite again: the streak resets, training goes on.
+  assert int(metrics['nonfinite_streak']) == 0 and int(state.skipped_steps) == 2
+  assert not np.array_equal(np.asarray(state.params['w']), before.params['w'])
+
+
+def test_diverging_run_stops_naming_the_steps_and_keeps_finite_checkpoints(tmp_path, data_dir):
+  config = tiny_config(data_dir)
+  config.num_train_steps = 40
+  config.learning_rate_scale = 1e30  # Parameters overflow after the first update.
+  config.max_consecutive_nonfinite_steps = 3
+  config.checkpoint_every_steps = 2
+  with pytest.raises(train_lib.NonFiniteError, match=r'NaN/Inf for 3 consecutive steps'):
+    train_lib.train_and_evaluate(config, str(tmp_path))
+  with Checkpointer(str(tmp_path / 'checkpoints'), async_save=False) as checkpointer:
+    steps = checkpointer.all_steps()
+  assert max(steps, default=0) < 40
+
+
+def test_second_run_on_a_locked_workdir_is_refused(tmp_path, data_dir):
+  with WorkdirLock(str(tmp_path)):
+    with pytest.raises(UserInputError, match='is in use by a running training process'):
+      train_lib.train_and_evaluate(tiny_config(data_dir), str(tmp_path))
+  # Released: the same workdir trains now.
+  config = tiny_config(data_dir)
+  config.num_train_steps = 2
+  train_lib.train_and_evaluate(config, str(tmp_path))
+
+
+def test_lock_is_released_when_its_process_is_killed(tmp_path):
+  holder = subprocess.Popen(
+      [sys.executable, '-c',
+       'import sys, time; sys.path.insert(0, sys.argv[1]);'
+       'from transformer_jax.workdir_lock import WorkdirLock;'
+       'lock = WorkdirLock(sys.argv[2]).acquire(); print("held", flush=True); time.sleep(60)',
+       REPO_ROOT, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+  try:
+    assert holder.stdout.readline().strip() == 'held'
+    with pytest.raises(UserInputError, match=f'pid {holder.pid}'):
+      WorkdirLock(str(tmp_path)).acquire()
+  finally:
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+  WorkdirLock(str(tmp_path)).acquire().release()  # No stale lock after kill -9.
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_zero(tmp_path, data_dir):
+  workdir = str(tmp_path / 'run')
+  command = [sys.executable, 'train.py', f'--workdir={workdir}', f'--config.data_dir={data_dir}',
+             '--config.dataset=number_words/tiny', '--config.vocab_size=96',
+             '--config.model.d_model=32', '--config.model.d_ff=64',
+             '--config.model.num_heads=2', '--config.model.num_encoder_layers=1',
+             '--config.model.num_decoder_layers=1', '--config.model.max_len=32',
+             '--config.per_device_batch_size=16', '--config.num_train_steps=100000',
+             '--config.log_every_steps=5', '--config.eval_every_steps=100000',
+             '--config.checkpoint_every_steps=100000', '--config.eval_decode_examples=0',
+             '--config.eval_batch_size=32', '--config.final_test_decode=False']
+  process = subprocess.Popen(command, cwd=REPO_ROOT, stderr=subprocess.PIPE, text=True)
+  log = []
+  for line in process.stderr:
+    log.append(line)
+    if 'step 10/100000' in line:
+      break
+  sent = time.time()
+  process.send_signal(signal.SIGTERM)
+  log.extend(process.stderr)
+  assert process.wait(timeout=60) == 0, ''.join(log)[-3000:]
+  assert time.time() - sent < 30
+  message = [l for l in log if 'SIGTERM received' in l]
+  assert message, ''.join(log)[-3000:]
+  saved_step = int(message[0].split('checkpoint saved at step ')[1].split(';')[0])
+  assert saved_step >= 10
+  with Checkpointer(os.path.join(workdir, 'checkpoints'), async_save=False) as checkpointer:
+    assert checkpointer.all_steps() == [saved_step]
