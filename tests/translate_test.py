@@ -1,0 +1,75 @@
+"""Translator: exactly one output line per input line, in order, whatever the input."""
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from transformer_jax import number_words
+from transformer_jax.config import TransformerConfig
+from transformer_jax.models import Transformer
+from transformer_jax.tokenizer import Tokenizer
+from transformer_jax.translate import Translator, _bucket
+
+
+@functools.lru_cache(maxsize=1)
+def _translator() -> Translator:
+  """A random-weight model with a real vocabulary: the plumbing, not the quality, is tested."""
+  sentences = []
+  for n in range(0, 3000, 7):
+    sentences += [number_words.english_words(n), number_words.german_words(n)]
+  tokenizer = Tokenizer.train(sentences, vocab_size=96)
+  config = TransformerConfig(vocab_size=tokenizer.vocab_size, d_model=16, d_ff=32, num_heads=2,
+                             num_encoder_layers=1, num_decoder_layers=1, max_len=32)
+  model = Transformer(config)
+  dummy = jnp.ones((1, 1), jnp.int32)
+  params = nn.meta.unbox(model.init(jax.random.PRNGKey(0), dummy, dummy)['params'])
+  return Translator(config, params, tokenizer, batch_size=8)
+
+
+def test_bucket_sizes():
+  assert [_bucket(n, 64) for n in (1, 8, 9, 16, 17, 40, 64, 65)] == [8, 8, 16, 16, 32, 64, 64, 64]
+
+
+def test_empty_and_blank_lines_give_empty_lines():
+  outputs = _translator().translate(['', 'one', '  ', '\t', 'two hundred'])
+  assert len(outputs) == 5
+  assert outputs[0] == outputs[2] == outputs[3] == ''
+
+
+def test_overlong_input_is_truncated_with_a_warning_not_a_crash(caplog):
+  outputs = _translator().translate(['one ' * 500])
+  assert len(outputs) == 1
+  assert any('truncated' in r.getMessage() for r in caplog.records)
+
+
+def test_output_does_not_depend_on_batch_companions():
+  translator = _translator()
+  alone = translator.translate(['seven hundred one'])
+  together = translator.translate(['three', 'seven hundred one', 'nine thousand ' * 3])
+  assert together[1] == alone[0]
+
+
+_lines = st.lists(
+    st.one_of(st.text(max_size=40),  # Any Unicode, including control characters.
+              st.just(''),
+              st.text(alphabet='abcdefghijklmnopqrstuvwxyz- ', min_size=100, max_size=400)),
+    min_size=0, max_size=12)
+
+
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(_lines)
+def test_one_output_per_input_in_order(lines):
+  lines = [line.replace('\n', ' ').replace('\r', ' ') for line in lines]
+  outputs = _translator().translate(lines)
+  assert len(outputs) == len(lines)
+  for line, output in zip(lines, outputs):
+    assert isinstance(output, str) and '\n' not in output
+    if not line.strip():
+      assert output == ''
