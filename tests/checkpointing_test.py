@@ -150,3 +150,75 @@ def test_cross_layout_restore(tmp_path):
       env=env, capture_output=True, text=True, timeout=120)
   assert result.returncode == 0, result.stderr[-4000:]
   assert 'CROSS_LAYOUT_OK' in result.stdout
+
+
+# ---- params-only checkpoints (save_params / restore_params_from) ----
+
+from transformer_jax.checkpointing import (  # noqa: E402
+    is_params_checkpoint, params_shapes, read_metadata, restore_params_from, save_params)
+from transformer_jax.config import UserInputError  # noqa: E402
+
+
+def test_params_checkpoint_round_trip(tmp_path):
+  params = _make_state(seed=5).params
+  host = jax.tree.map(np.asarray, params)  # NumPy leaves, as averaging produces
+  directory = str(tmp_path / 'averaged')
+  metadata = {'averaged_steps': [3, 4], 'latest_step': 4}
+  assert save_params(directory, host, metadata) == directory
+  assert is_params_checkpoint(directory)
+  assert read_metadata(directory) == metadata
+  shapes = params_shapes(directory)
+  assert jax.tree.map(lambda s: (s.shape, s.dtype), shapes) == jax.tree.map(
+      lambda x: (x.shape, x.dtype), host)
+  abstract = _abstract(params)
+  restored = restore_params_from(directory, abstract)
+  _assert_trees_equal(restored, params)
+  for leaf in jax.tree.leaves(restored):
+    assert isinstance(leaf, jax.Array) and leaf.sharding == abstract['embed'].sharding
+
+  # Replacing: the new contents win, and no staging folders are left behind.
+  doubled = jax.tree.map(lambda x: x * 2, host)
+  save_params(directory, doubled, {'latest_step': 9})
+  assert read_metadata(directory) == {'latest_step': 9}
+  _assert_trees_equal(restore_params_from(directory, abstract), doubled)
+  assert os.listdir(tmp_path) == ['averaged']
+
+  # A model that does not fit the saved tree: one-line UserInputError.
+  wrong = dict(abstract, embed=jax.ShapeDtypeStruct((6, 2), jnp.bfloat16,
+                                                    sharding=abstract['embed'].sharding))
+  with pytest.raises(UserInputError, match=r'embed has shape \(5, 2\).*\(6, 2\)'):
+    restore_params_from(directory, wrong)
+  with pytest.raises(UserInputError, match='missing extra'):
+    restore_params_from(directory, dict(abstract, extra=abstract['embed']))
+
+
+def test_params_checkpoint_missing_or_incomplete(tmp_path):
+  directory = str(tmp_path / 'averaged')
+  with pytest.raises(FileNotFoundError, match='no params checkpoint in'):
+    read_metadata(directory)
+  with pytest.raises(FileNotFoundError, match='no params checkpoint in'):
+    restore_params_from(directory, {'w': jax.ShapeDtypeStruct((1,), jnp.float32)})
+  # Non-JSON metadata fails before anything is written.
+  with pytest.raises(TypeError):
+    save_params(directory, {'w': np.ones(2, np.float32)}, {'bad': object()})
+  assert os.listdir(tmp_path) == []
+  # A save that dies mid-write leaves nothing that looks like a checkpoint.
+  with pytest.raises(Exception):
+    save_params(directory, {'w': object()}, {})
+  assert not is_params_checkpoint(directory) and os.listdir(tmp_path) == []
+  # Leftover staging folders from a killed process are cleaned by the next save.
+  os.makedirs(tmp_path / '.averaged.tmp-dead')
+  save_params(directory, {'w': np.ones(2, np.float32)}, {})
+  assert os.listdir(tmp_path) == ['averaged']
+
+
+def test_restore_params_to_host(tmp_path):
+  state = _make_state(seed=6, step=6)
+  with Checkpointer(str(tmp_path), async_save=False) as ckpt:
+    ckpt.save(6, state)
+    host = ckpt.restore_params_to_host()
+  for got, want in zip(jax.tree.leaves(host), jax.tree.leaves(state.params)):
+    assert isinstance(got, np.ndarray) and got.dtype == want.dtype
+    np.testing.assert_array_equal(got, np.asarray(want))
+  assert jax.tree.structure(host) == jax.tree.structure(
+      jax.tree.map(np.asarray, dict(state.params)))

@@ -7,8 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer_jax.decode import (greedy_search, greedy_search_uncached,
-                                    strip_after_eos)
+from transformer_jax.decode import (beam_search, beam_search_uncached,
+                                    expand_to_beams, greedy_search,
+                                    greedy_search_uncached, strip_after_eos)
 
 PAD, BOS, EOS = 0, 1, 2
 VOCAB = 13
@@ -19,32 +20,34 @@ class ToyModel:
   """Causal toy: logits_i = T[x_i] + U[x_{i-1}] + P[i] (+ masks), where EOS is
   forced at position eos_pos[b] and forbidden elsewhere, and PAD is never
   chosen. Depending on x_{i-1} too means the cached step must carry real state
-  (the previous token), not only a position counter.
+  (the previous token), not only a position counter. With beam_size > 1 the
+  callables take batch * beam_size batch-major rows (beam search's rows).
   """
 
-  def __init__(self, eos_pos, max_len, seed=0):
+  def __init__(self, eos_pos, max_len, seed=0, beam_size=1):
     rng = np.random.default_rng(seed)
     self.t = rng.normal(size=(VOCAB, VOCAB)).astype(np.float32)
     self.u = rng.normal(size=(VOCAB, VOCAB)).astype(np.float32)
     self.p = rng.normal(size=(max_len, VOCAB)).astype(np.float32)
     self.eos_pos = np.asarray(eos_pos, np.int32)                    # [b]
+    self.row_eos_pos = np.repeat(self.eos_pos, beam_size)           # [rows]
     self.batch, self.max_len = len(eos_pos), max_len
 
   def logits_at(self, xp, cur, prev, pos):
     """xp: np or jnp; cur, prev: int[b]; pos: scalar. -> float32[b, V]."""
     vocab_ids = xp.arange(VOCAB)
-    eos_sign = xp.where(xp.asarray(self.eos_pos) == pos, BIG, -BIG)  # [b]
+    eos_sign = xp.where(xp.asarray(self.row_eos_pos) == pos, BIG, -BIG)
     mask = (xp.where(vocab_ids == EOS, 1.0, 0.0)[None] * eos_sign[:, None]
             - xp.where(vocab_ids == PAD, BIG, 0.0)[None])            # [b, V]
     logits = xp.asarray(self.t)[cur] + xp.asarray(self.u)[prev]
     return (logits + xp.asarray(self.p)[pos] + mask).astype(xp.float32)
 
-  def logits_fn(self, inputs):
+  def logits_fn(self, inputs, xp=jnp):
     """Uncached: int32[b, L] -> float32[b, L, V]; position i sees <= i."""
-    prev = jnp.concatenate([jnp.full_like(inputs[:, :1], PAD), inputs[:, :-1]],
-                           axis=1)
-    return jnp.stack([self.logits_at(jnp, inputs[:, i], prev[:, i], i)
-                      for i in range(inputs.shape[1])], axis=1)
+    prev = xp.concatenate([xp.full_like(inputs[:, :1], PAD), inputs[:, :-1]],
+                          axis=1)
+    return xp.stack([self.logits_at(xp, inputs[:, i], prev[:, i], i)
+                     for i in range(inputs.shape[1])], axis=1)
 
   def init_cache(self):
     return {'pos': jnp.int32(0), 'calls': jnp.int32(0),
@@ -145,3 +148,249 @@ def test_rejects_empty_shapes():
 ])
 def test_strip_after_eos(tokens, expected):
   assert strip_after_eos(np.asarray(tokens, np.int32), EOS) == expected
+
+
+# --- Beam search ---------------------------------------------------------------
+
+def _beam_kwargs(model, beam_size, alpha=0.6):
+  return dict(_kwargs(model), beam_size=beam_size, alpha=alpha)
+
+
+def _sequence_scores(np_logits_fn, tokens, alpha):
+  """NumPy reference: log P(y) (PAD excluded) / ((5 + |y|) / 6) ** alpha for
+  every returned beam, recomputed from the logits along tokens [b, k, L]."""
+  tokens = np.asarray(tokens)
+  b, k, length = tokens.shape
+  rows = tokens.reshape(b * k, length)
+  inputs = np.concatenate([np.full((b * k, 1), BOS), rows[:, :-1]], axis=1)
+  logits = np.asarray(np_logits_fn(inputs), np.float64)
+  logits[..., PAD] = -np.inf
+  logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(
+      -1, keepdims=True)) - logits.max(-1, keepdims=True)
+  scores = []
+  for r, row in enumerate(rows.tolist()):
+    n = row.index(EOS) + 1 if EOS in row else length
+    total = sum(logp[r, i, row[i]] for i in range(n))
+    scores.append(total / ((5 + n) / 6) ** alpha)
+  return np.asarray(scores).reshape(b, k)
+
+
+def _check_layout(tokens, scores, batch, beam, length):
+  """Shapes, dtypes, best first, EOS convention, never PAD before the end;
+  empty slots (score -inf) hold only PAD."""
+  tokens, scores = np.asarray(tokens), np.asarray(scores)
+  assert tokens.shape == (batch, beam, length) and tokens.dtype == np.int32
+  assert scores.shape == (batch, beam) and scores.dtype == np.float32
+  assert (scores[:, :-1] >= scores[:, 1:]).all()
+  for row, score in zip(tokens.reshape(-1, length).tolist(), scores.ravel()):
+    n = row.index(EOS) + 1 if EOS in row else (length if score > -np.inf else 0)
+    assert PAD not in row[:n] and set(row[n:]) <= {PAD}
+
+
+@pytest.mark.parametrize('alpha', [0.0, 0.6])
+def test_beam_size_one_equals_greedy(alpha):
+  # On this toy EOS is either forced or forbidden, so once a beam ends no
+  # continuation can beat it; in general alpha > 0 lets a longer hypothesis
+  # found later win even with beam 1 (alpha = 0 never does).
+  model = ToyModel(eos_pos=[3, 0, 7, 99], max_len=8)
+  tokens, scores = beam_search(model.step_fn, model.init_cache(),
+                               **_beam_kwargs(model, 1, alpha))
+  _check_layout(tokens, scores, 4, 1, 8)
+  np.testing.assert_array_equal(tokens[:, 0], model.numpy_reference())
+
+
+TRAP_A, TRAP_B, TRAP_VOCAB = 3, 4, 10   # tokens 5..9: fillers
+
+
+def _trap_logits_fn(inputs, xp=jnp):
+  """Next-token logits from the last input token only. After BOS: A 0.6,
+  B 0.4. After A: only fillers, none likely (logits 0, -0.1, ..). After B or a
+  filler: EOS ~1. Greedy: A, 5, EOS (p ~ 0.145); best: B, EOS (p = 0.4)."""
+  tiny = -1e9
+  table = np.full((TRAP_VOCAB, TRAP_VOCAB), tiny, np.float32)
+  table[BOS, TRAP_A], table[BOS, TRAP_B] = np.log(0.6), np.log(0.4)
+  table[TRAP_A, 5:] = -0.1 * np.arange(5)
+  table[[TRAP_B, EOS, PAD, 5, 6, 7, 8, 9], EOS] = 0.0
+  return xp.asarray(table)[inputs]
+
+
+@pytest.mark.parametrize('beam_size, alpha', [(2, 0.6), (3, 0.0)])
+def test_beam_escapes_greedy_trap(beam_size, alpha):
+  kwargs = dict(batch_size=1, max_decode_len=4, bos_id=BOS, eos_id=EOS,
+                pad_id=PAD)
+  greedy = greedy_search_uncached(_trap_logits_fn, **kwargs)
+  np.testing.assert_array_equal(greedy, [[TRAP_A, 5, EOS, PAD]])
+  tokens, scores = beam_search_uncached(_trap_logits_fn, beam_size=beam_size,
+                                        alpha=alpha, **kwargs)
+  _check_layout(tokens, scores, 1, beam_size, 4)
+  np.testing.assert_array_equal(tokens[0, :2], [[TRAP_B, EOS, PAD, PAD],
+                                                [TRAP_A, 5, EOS, PAD]])
+  np.testing.assert_allclose(scores[0, 0], np.log(0.4) / (7 / 6) ** alpha,
+                             rtol=1e-6)
+  np.testing.assert_allclose(
+      scores, _sequence_scores(functools.partial(_trap_logits_fn, xp=np),
+                               tokens, alpha), rtol=1e-6)
+
+
+def test_beam_scores_are_penalized_log_probs(alpha=0.6):
+  # alpha = 0: see test_beam_escapes_greedy_trap.
+  # EOS at 3 and at 1: all beams end; 99: all fall back to alive beams.
+  model = ToyModel(eos_pos=[3, 99, 1], max_len=6, seed=2, beam_size=4)
+  tokens, scores = beam_search(model.step_fn, model.init_cache(),
+                               **_beam_kwargs(model, 4, alpha))
+  _check_layout(tokens, scores, 3, 4, 6)
+  assert (tokens[0, :, 3] == EOS).all() and (tokens[2, :, 1] == EOS).all()
+  assert (tokens[1] != EOS).all()
+  assert len({tuple(beam) for beam in np.asarray(tokens[0]).tolist()}) == 4
+  reference = _sequence_scores(lambda x: model.logits_fn(x, xp=np), tokens,
+                               alpha)
+  np.testing.assert_allclose(scores, reference, rtol=0, atol=1e-5)
+
+
+def test_beam_cached_equals_uncached():
+  model = ToyModel(eos_pos=[3, 0, 7, 99], max_len=8, beam_size=4)
+  cached = beam_search(model.step_fn, model.init_cache(),
+                       **_beam_kwargs(model, 4))
+  uncached = beam_search_uncached(model.logits_fn, **_beam_kwargs(model, 4))
+  np.testing.assert_array_equal(cached[0], uncached[0])
+  np.testing.assert_allclose(cached[1], uncached[1], rtol=0, atol=1e-5)
+  # The toy must make the beams differ, or reordering is not exercised.
+  assert len({tuple(beam) for beam in np.asarray(cached[0][3]).tolist()}) == 4
+
+
+class HistoryToy:
+  """Logits from a hash of the whole prefix, with EOS likelier over time. The
+  cached step keeps the prefix in the cache ([batch, L] array, plus scalar
+  position and call counters), so cache rows that do not follow their parent
+  beams give wrong logits."""
+
+  MOD = 97
+
+  def __init__(self, batch, max_len, beam_size, seed=3):
+    rng = np.random.default_rng(seed)
+    self.w = rng.normal(size=(self.MOD, VOCAB)).astype(np.float32)
+    self.w[:, EOS] += 1.5 * np.arange(self.MOD) / self.MOD - 1.0
+    self.weights = rng.integers(1, self.MOD, size=max_len).astype(np.int32)
+    self.batch, self.max_len, self.beam_size = batch, max_len, beam_size
+
+  def _logits(self, xp, hist):
+    """hist int32[rows, L]: inputs so far, PAD after -> float32[rows, V]."""
+    code = (hist * xp.asarray(self.weights)).sum(axis=1) % self.MOD
+    return xp.asarray(self.w)[code]
+
+  def logits_fn(self, inputs, xp=jnp):
+    length = inputs.shape[1]
+    return xp.stack([self._logits(xp, xp.where(xp.arange(length) <= i,
+                                               inputs, PAD))
+                     for i in range(length)], axis=1)
+
+  def init_cache(self):
+    return {'hist': jnp.full((self.batch, self.max_len), PAD, jnp.int32),
+            'pos': jnp.int32(0), 'calls': jnp.int32(0)}
+
+  def step_fn(self, token, cache):
+    hist = jax.lax.dynamic_update_slice_in_dim(cache['hist'], token,
+                                               cache['pos'], axis=1)
+    return self._logits(jnp, hist), {'hist': hist, 'pos': cache['pos'] + 1,
+                                     'calls': cache['calls'] + 1}
+
+
+def test_beam_cache_rows_follow_parent_beams():
+  toy = HistoryToy(batch=2, max_len=7, beam_size=4)
+  kwargs = dict(batch_size=2, beam_size=4, max_decode_len=7, bos_id=BOS,
+                eos_id=EOS, pad_id=PAD)
+  cached = beam_search(toy.step_fn, toy.init_cache(), **kwargs)
+  uncached = beam_search_uncached(toy.logits_fn, **kwargs)
+  np.testing.assert_array_equal(cached[0], uncached[0])
+  np.testing.assert_allclose(cached[1], uncached[1], rtol=0, atol=1e-5)
+  np.testing.assert_allclose(
+      cached[1], _sequence_scores(lambda x: toy.logits_fn(x, xp=np),
+                                  cached[0], 0.6), rtol=0, atol=1e-5)
+  tokens = np.asarray(cached[0])
+  assert (tokens == EOS).any() and len({tuple(r) for r in tokens[0]}) == 4
+
+  def misordered_step(token, cache):  # beams read a sibling's history
+    hist = cache['hist'].reshape(2, 4, -1)
+    return toy.step_fn(token, dict(cache, hist=jnp.roll(hist, 1, axis=1)
+                                   .reshape(8, -1)))
+
+  wrong = beam_search(misordered_step, toy.init_cache(), **kwargs)
+  assert not (np.array_equal(wrong[0], cached[0])
+              and np.allclose(wrong[1], cached[1]))
+
+
+def test_expand_to_beams():
+  tree = {'kv': jnp.arange(6).reshape(2, 3), 'index': jnp.int32(5)}
+  expanded = expand_to_beams(tree, 3, batch_size=2)
+  np.testing.assert_array_equal(expanded['kv'][:, 0], [0, 0, 0, 3, 3, 3])
+  assert expanded['index'].shape == () and int(expanded['index']) == 5
+  with pytest.raises(ValueError):
+    expand_to_beams({'kv': jnp.zeros((3, 2))}, 3, batch_size=2)
+  with pytest.raises(ValueError):
+    beam_search(MODEL.step_fn, MODEL.init_cache(), **_beam_kwargs(MODEL, 0))
+
+
+def test_beam_max_lengths():
+  # EOS forbidden by the toy everywhere: forced ends only (EOS keeps its
+  # model log-prob, ~ -1e6). Sentence 2 has no limit within max_decode_len.
+  model = ToyModel(eos_pos=[99, 99, 99], max_len=6, beam_size=3)
+  tokens, scores = beam_search(model.step_fn, model.init_cache(),
+                               max_lengths=jnp.array([3, 1, 9]),
+                               **_beam_kwargs(model, 3))
+  tokens = np.asarray(tokens)
+  _check_layout(tokens, scores, 3, 3, 6)
+  assert (tokens[0, :, 2] == EOS).all() and (tokens[0, :, 3:] == PAD).all()
+  # Length 1: the one hypothesis is EOS; the other slots stay empty.
+  np.testing.assert_array_equal(tokens[1], [[EOS] + [PAD] * 5] + [[PAD] * 6] * 2)
+  assert np.isfinite(scores[1, 0]) and (scores[1, 1:] == -np.inf).all()
+  assert (tokens[2] != EOS).all() and (tokens[2] != PAD).all()
+  unlimited, _ = beam_search(model.step_fn, model.init_cache(),
+                             **_beam_kwargs(model, 3))
+  np.testing.assert_array_equal(tokens[2], unlimited[2])
+
+
+@pytest.mark.parametrize('eos_pos, beam_size, expected_calls', [
+    ([2, 4, 1], 4, 5),    # every sentence's 4 beams end at its EOS step
+    ([2, 99, 1], 4, 10),  # one sentence never ends
+    ([0, 0, 0], 1, 1),
+    # Only one hypothesis can end at step 0; three slots remain to be filled
+    # by (very unlikely) longer ones, so the search goes on.
+    ([0, 0, 0], 4, 10),
+])
+def test_beam_early_stop_counts_step_calls(eos_pos, beam_size, expected_calls):
+  model = ToyModel(eos_pos=eos_pos, max_len=10, seed=1, beam_size=beam_size)
+  calls = []
+  tokens, _ = beam_search(
+      lambda token, cache: _record_calls(model.step_fn, token, cache, calls),
+      model.init_cache(), **_beam_kwargs(model, beam_size))
+  assert calls == list(range(1, expected_calls + 1))
+  for sentence, pos in enumerate(eos_pos):
+    if pos < 10:
+      assert (np.asarray(tokens)[sentence, 0, pos] == EOS)
+
+
+def _record_calls(step_fn, token, cache, calls):
+  """step_fn that sends the cache's call counter (a 0-d leaf, shared by all
+  rows) to the host after every call."""
+  logits, cache = step_fn(token, cache)
+  jax.debug.callback(lambda n: calls.append(int(n)), cache['calls'])
+  return logits, cache
+
+
+def test_beam_works_under_jit():
+  model = ToyModel(eos_pos=[3, 0, 7, 99], max_len=8, beam_size=2)
+  kwargs = _beam_kwargs(model, 2)
+  max_lengths = jnp.array([8, 8, 5, 6])  # traced, not bound
+  search = jax.jit(functools.partial(beam_search, model.step_fn, **kwargs))
+  uncached = jax.jit(functools.partial(beam_search_uncached, model.logits_fn,
+                                       **kwargs))
+  tokens, scores = search(model.init_cache(), max_lengths=max_lengths)
+  _check_layout(tokens, scores, 4, 2, 8)
+  tokens_ref, scores_ref = uncached(max_lengths=max_lengths)
+  np.testing.assert_array_equal(tokens, tokens_ref)
+  np.testing.assert_allclose(scores, scores_ref, rtol=0, atol=1e-5)
+  tokens = np.asarray(tokens)
+  # Every hypothesis ends by its sentence's max length (8, 8, 5, 6); sentence
+  # 1's second one is the best of those forced to end at 8.
+  assert (tokens[0, :, 3] == EOS).all() and (tokens[1, :, [0, 7]] == EOS).all()
+  assert (tokens[2, :, 4] == EOS).all() and (tokens[3, :, 5] == EOS).all()

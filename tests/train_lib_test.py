@@ -75,8 +75,18 @@ def test_resume_with_a_different_model_is_refused(tmp_path, data_dir):
   config.num_train_steps = 4
   train_lib.train_and_evaluate(config, str(tmp_path))
   config.model.d_ff = 128
-  with pytest.raises(UserInputError, match='d_ff: 64 -> 128'):
+  with pytest.raises(UserInputError, match='model.d_ff: 64 -> 128'):
     train_lib.train_and_evaluate(config, str(tmp_path))
+  config.model.d_ff = 64
+  config.seed = 1
+  with pytest.raises(UserInputError, match='seed: 0 -> 1'):
+    train_lib.train_and_evaluate(config, str(tmp_path))
+  # Safe fields may change: more steps and other intervals resume fine.
+  config.seed = 0
+  config.num_train_steps = 6
+  config.log_every_steps = 2
+  config.checkpoint_every_steps = 3
+  train_lib.train_and_evaluate(config, str(tmp_path))
 
 
 @pytest.mark.parametrize('field, value', [('per_device_batch_size', 0),

@@ -13,24 +13,47 @@ Each checkpoint step holds two items:
 Restoring takes an *abstract* state (jax.ShapeDtypeStruct leaves with
 `.sharding` set) so arrays are read straight into the target sharding. This is
 what makes a checkpoint written on one device layout loadable on another.
+
+Besides the step checkpoints there is a *params-only* checkpoint (used for the
+averaged parameters, see transformer_jax/average.py): `save_params` writes
+
+  DIRECTORY/params/         the params pytree (orbax StandardSave)
+  DIRECTORY/metadata.json   a small JSON dict, written last
+
+into a hidden sibling folder and renames it into place, so DIRECTORY either
+does not exist or holds a complete checkpoint; `restore_params_from` and
+`read_metadata` read it back.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import uuid
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
+
+from transformer_jax.config import UserInputError
 
 _STATE = 'state'
 _DATA = 'data'
+# Layout of a params-only checkpoint (save_params / restore_params_from).
+_PARAMS_ITEM = 'params'
+_METADATA_FILE = 'metadata.json'
 
 
 class Checkpointer:
   """Keeps the last `keep` checkpoints of (state, data_state) in `directory`."""
 
-  def __init__(self, directory: str, *, keep: int = 3, async_save: bool = True):
+  def __init__(self, directory: str, *, keep: int | None = 3,
+               async_save: bool = True):
+    # keep=None keeps every checkpoint (use it for read-only access, so that
+    # opening a directory can never be what prunes it).
     # orbax requires an absolute path; normalising here lets callers pass
     # relative paths and gives a stable string for error messages.
     self.directory = os.path.abspath(os.fspath(directory))
@@ -114,17 +137,42 @@ class Checkpointer:
     TrainState's `params` field.
     """
     step = self._resolve_step(step)
-    # Locate the step folder the same way the manager names it (default name
-    # format: plain step number) instead of hard-coding the naming scheme.
-    name_format = ocp.step.standard_name_format()
-    step_dir = name_format.find_step(self.directory, step).path
-    item_dir = step_dir / _STATE
+    item_dir = self._state_dir(step)
     target = {'params': abstract_params}
     restore_args = ocp.checkpoint_utils.construct_restore_args(target)
     with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as reader:
       restored = reader.restore(item_dir, args=ocp.args.PyTreeRestore(
           item=target, restore_args=restore_args, partial_restore=True))
     return restored['params']
+
+  def restore_params_to_host(self, step: int | None = None) -> Any:
+    """Restores `state.params` at `step` (None = latest) as host NumPy arrays.
+
+    Needs no target: shapes and dtypes come from the checkpoint's own stored
+    tree metadata, so the model never has to be built (used for averaging).
+    Leaves keep their stored dtype (bfloat16 comes back as ml_dtypes.bfloat16).
+    Only the params are read; optimizer state is skipped (partial restore).
+    """
+    step = self._resolve_step(step)
+    item_dir = self._state_dir(step)
+    stored = _tree_metadata(item_dir)
+    if not isinstance(stored, dict) or 'params' not in stored:
+      raise ValueError(f'{item_dir}: the saved state has no params field')
+    target = {'params': jax.tree.map(
+        lambda meta: jax.ShapeDtypeStruct(meta.shape, meta.dtype),
+        stored['params'])}
+    restore_args = jax.tree.map(
+        lambda _: ocp.RestoreArgs(restore_type=np.ndarray), target)
+    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as reader:
+      restored = reader.restore(item_dir, args=ocp.args.PyTreeRestore(
+          item=target, restore_args=restore_args, partial_restore=True))
+    return restored['params']
+
+  def _state_dir(self, step: int) -> epath.Path:
+    # Locate the step folder the same way the manager names it (default name
+    # format: plain step number) instead of hard-coding the naming scheme.
+    name_format = ocp.step.standard_name_format()
+    return name_format.find_step(self.directory, step).path / _STATE
 
   # ---- lifecycle ----
 
@@ -142,3 +190,141 @@ class Checkpointer:
 
   def __exit__(self, *exc_info) -> None:
     self.close()
+
+
+# ---- params-only checkpoints ----
+
+
+def _tree_metadata(item_dir: Any) -> Any:
+  """The stored pytree of per-leaf metadata (shape, dtype) of a PyTree item."""
+  metadata = ocp.PyTreeCheckpointHandler().metadata(epath.Path(item_dir))
+  # orbax 0.12.8 wraps the tree in a TreeMetadata; older releases returned it.
+  return getattr(metadata, 'tree', metadata)
+
+
+def _leaves_by_name(tree: Any) -> dict[str, Any]:
+  flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+  return {jax.tree_util.keystr(path, simple=True, separator='/'): leaf
+          for path, leaf in flat}
+
+
+def _check_matches(directory: str, stored: Any, target: Any) -> None:
+  """One-line UserInputError if the stored params do not fit `target`."""
+  stored, target = _leaves_by_name(stored), _leaves_by_name(target)
+  problems = []
+  missing = sorted(set(target) - set(stored))
+  unexpected = sorted(set(stored) - set(target))
+  if missing:
+    problems.append(f'missing {", ".join(missing[:3])}'
+                    + (f' (+{len(missing) - 3} more)' if len(missing) > 3 else ''))
+  if unexpected:
+    problems.append(f'unexpected {", ".join(unexpected[:3])}'
+                    + (f' (+{len(unexpected) - 3} more)'
+                       if len(unexpected) > 3 else ''))
+  for name in sorted(set(stored) & set(target)):
+    if tuple(stored[name].shape) != tuple(target[name].shape):
+      problems.append(f'{name} has shape {tuple(stored[name].shape)}, the '
+                      f'model expects {tuple(target[name].shape)}')
+      break
+  if problems:
+    raise UserInputError(f'{directory}: saved parameters do not match the '
+                         f'model: {"; ".join(problems)}')
+
+
+def is_params_checkpoint(directory: str) -> bool:
+  """Whether `directory` holds a complete params-only checkpoint."""
+  directory = os.path.abspath(os.fspath(directory))
+  return (os.path.isfile(os.path.join(directory, _METADATA_FILE))
+          and os.path.isdir(os.path.join(directory, _PARAMS_ITEM)))
+
+
+def _require_params_checkpoint(directory: str) -> str:
+  directory = os.path.abspath(os.fspath(directory))
+  if not is_params_checkpoint(directory):
+    raise FileNotFoundError(f'no params checkpoint in {directory}')
+  return directory
+
+
+def save_params(directory: str, params: Any, metadata: dict | None = None) -> str:
+  """Writes `params` plus a JSON `metadata` dict as a params-only checkpoint.
+
+  `params` is a pytree of NumPy or jax arrays. An existing checkpoint at
+  `directory` is replaced. Everything is first written to a hidden sibling
+  folder (`.NAME.tmp-*`); orbax commits the params inside it, metadata.json is
+  written (and fsynced) last, and only then is the folder renamed to
+  `directory`. A crash therefore never leaves a `directory` that looks
+  complete: at worst a stale hidden folder (removed by the next save) or, in
+  the instant between the two renames of a replacement, no `directory` at all.
+  Single-process only. Returns the absolute path written.
+  """
+  if jax.process_count() > 1:
+    raise RuntimeError('save_params writes from one process; run it in a '
+                       'single-process job')
+  directory = os.path.abspath(os.fspath(directory))
+  # Serialise first: a metadata dict that is not JSON fails before any I/O.
+  metadata_text = json.dumps(dict(metadata or {}), indent=2, sort_keys=True)
+  parent, name = os.path.split(directory)
+  os.makedirs(parent, exist_ok=True)
+  for entry in os.listdir(parent):  # leftovers of earlier interrupted saves
+    if entry.startswith((f'.{name}.tmp-', f'.{name}.old-')):
+      shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
+  token = uuid.uuid4().hex[:12]
+  staging = os.path.join(parent, f'.{name}.tmp-{token}')
+  os.makedirs(staging)
+  try:
+    with ocp.StandardCheckpointer() as writer:
+      writer.save(os.path.join(staging, _PARAMS_ITEM), params)
+      writer.wait_until_finished()
+    with open(os.path.join(staging, _METADATA_FILE), 'w') as f:
+      f.write(metadata_text + '\n')
+      f.flush()
+      os.fsync(f.fileno())
+    if os.path.exists(directory):
+      retired = os.path.join(parent, f'.{name}.old-{token}')
+      os.rename(directory, retired)
+      os.rename(staging, directory)
+      shutil.rmtree(retired, ignore_errors=True)
+    else:
+      os.rename(staging, directory)
+  except BaseException:
+    shutil.rmtree(staging, ignore_errors=True)
+    raise
+  try:  # make the rename itself durable (best effort; POSIX only)
+    fd = os.open(parent, os.O_RDONLY)
+    try:
+      os.fsync(fd)
+    finally:
+      os.close(fd)
+  except OSError:
+    pass
+  return directory
+
+
+def read_metadata(directory: str) -> dict:
+  """The JSON metadata dict of the params-only checkpoint at `directory`."""
+  directory = _require_params_checkpoint(directory)
+  with open(os.path.join(directory, _METADATA_FILE)) as f:
+    return json.load(f)
+
+
+def params_shapes(directory: str) -> Any:
+  """Stored params of a params-only checkpoint as jax.ShapeDtypeStruct leaves."""
+  directory = _require_params_checkpoint(directory)
+  return jax.tree.map(lambda meta: jax.ShapeDtypeStruct(meta.shape, meta.dtype),
+                      _tree_metadata(os.path.join(directory, _PARAMS_ITEM)))
+
+
+def restore_params_from(directory: str, abstract_params: Any) -> Any:
+  """Restores a params-only checkpoint into the layout of `abstract_params`.
+
+  `abstract_params` is a pytree of jax.ShapeDtypeStruct with `.sharding` set
+  (as for Checkpointer.restore_params); arrays are read straight into those
+  shardings and cast to the target dtypes. The tree structure and shapes must
+  match the saved ones, else UserInputError (one line); no checkpoint at
+  `directory` -> FileNotFoundError.
+  """
+  directory = _require_params_checkpoint(directory)
+  item_dir = os.path.join(directory, _PARAMS_ITEM)
+  _check_matches(directory, _tree_metadata(item_dir), abstract_params)
+  with ocp.StandardCheckpointer() as reader:
+    return reader.restore(item_dir, abstract_params)

@@ -1,16 +1,18 @@
-"""Autoregressive decoding (greedy search), driven by callables.
+"""Autoregressive decoding (greedy and beam search), driven by callables.
 
 This module never imports the model: the caller passes a function that maps
 tokens to logits, so decoding can be tested with toy functions and reused by
 any model that follows the contract below.
 
 Output convention, shared by every search here: int32 [batch, max_decode_len]
-of generated tokens (BOS not included). Each row ends with its first EOS (kept
-in the output) and holds pad_id after it; a row that never emits EOS is cut at
-max_decode_len.
+(beam search: [batch, beam_size, max_decode_len]) of generated tokens (BOS not
+included). Each row ends with its first EOS (kept in the output) and holds
+pad_id after it; a row that never emits EOS is cut at max_decode_len. PAD is
+never generated.
 
 The loops use jax.lax.while_loop, so they compile once for every length, stop
-as soon as every row has emitted EOS, and can be jitted or called inside jit
+as soon as every row is decided (greedy: emitted EOS; beam: see beam_search),
+and can be jitted or called inside jit
 (the keyword arguments must then be static, e.g. bound with functools.partial).
 """
 
@@ -28,7 +30,14 @@ StepFn = Callable[[jax.Array, Any], tuple[jax.Array, Any]]
 LogitsFn = Callable[[jax.Array], jax.Array]
 
 
-# --- EOS handling, shared by all searches ----------------------------------
+# --- Helpers shared by all searches ------------------------------------------
+
+def _mask_pad(logits: jax.Array, pad_id: int) -> jax.Array:
+  """Padding is never a prediction: an emitted pad would be masked as padding
+  by a model that recomputes the prefix but attended to by one with a cache,
+  and they would diverge. logits: [..., vocab]."""
+  return logits.at[..., pad_id].set(-jnp.inf)
+
 
 def _record_token(token: jax.Array, finished: jax.Array, *, eos_id: int,
                   pad_id: int) -> tuple[jax.Array, jax.Array]:
@@ -55,6 +64,21 @@ def _check_lengths(batch_size: int, max_decode_len: int) -> None:
                      f'({max_decode_len}) must both be >= 1')
 
 
+def _uncached_next_logits(logits_fn: LogitsFn, bos_id: int):
+  """next_logits for the loops below that recomputes the whole prefix.
+
+  out: int32[rows, max_len] holds the tokens generated so far and pad at
+  positions >= step, so the target input is out shifted right behind BOS:
+  [BOS, y_0..y_{step-1}, pad...]; the logits at `step` predict y_step.
+  """
+  def next_logits(step, token, out, extra):
+    bos = jnp.full((out.shape[0], 1), bos_id, jnp.int32)
+    logits = logits_fn(jnp.concatenate([bos, out[:, :-1]], axis=1))   # [r,L,V]
+    return jax.lax.dynamic_index_in_dim(logits, step, axis=1,
+                                        keepdims=False), extra         # [r, V]
+  return next_logits
+
+
 # --- Greedy search -----------------------------------------------------------
 
 def _greedy_loop(next_logits: Callable[[jax.Array, jax.Array, jax.Array, Any],
@@ -72,9 +96,7 @@ def _greedy_loop(next_logits: Callable[[jax.Array, jax.Array, jax.Array, Any],
   def body(state):
     step, token, out, finished, extra = state
     logits, extra = next_logits(step, token, out, extra)
-    # Padding is never a prediction: an emitted pad would be masked as padding by a model
-    # that recomputes the prefix but attended to by one with a cache, and they would diverge.
-    logits = logits.at[:, pad_id].set(-jnp.inf)
+    logits = _mask_pad(logits, pad_id)
     chosen = jnp.argmax(logits, axis=-1).astype(jnp.int32)            # [b]
     written, finished = _record_token(chosen, finished, eos_id=eos_id,
                                       pad_id=pad_id)
@@ -126,19 +148,213 @@ def greedy_search_uncached(logits_fn: LogitsFn, *, batch_size: int,
   Quadratic in length; it exists as the reference the cached path must match
   token for token, and as the baseline that shows what the cache buys.
   """
-  def next_logits(step, token, out, extra):
-    # Target input = outputs shifted right behind BOS: [BOS, y_0..y_{i-1},
-    # pad...]. out holds pad at positions >= step, so no extra buffer needed.
-    bos = jnp.full((batch_size, 1), bos_id, jnp.int32)
-    inputs = jnp.concatenate([bos, out[:, :-1]], axis=1)               # [b, L]
-    logits = logits_fn(inputs)                                         # [b,L,V]
-    return jax.lax.dynamic_index_in_dim(logits, step, axis=1,
-                                        keepdims=False), extra         # [b, V]
-
   tokens, _ = _greedy_loop(
-      next_logits, None, batch_size=batch_size, max_decode_len=max_decode_len,
-      bos_id=bos_id, eos_id=eos_id, pad_id=pad_id)
+      _uncached_next_logits(logits_fn, bos_id), None, batch_size=batch_size,
+      max_decode_len=max_decode_len, bos_id=bos_id, eos_id=eos_id,
+      pad_id=pad_id)
   return tokens
+
+
+# --- Beam search -------------------------------------------------------------
+#
+# Shapes: b = batch_size sentences, k = beam_size, B = b * k model rows
+# (batch-major: row i * k + j is beam j of sentence i), L = max_decode_len.
+
+def length_penalty(length: jax.Array | int, alpha: float) -> jax.Array:
+  """GNMT length penalty ((5 + |y|) / 6) ** alpha; |y| counts EOS too."""
+  return ((5.0 + jnp.asarray(length, jnp.float32)) / 6.0) ** alpha
+
+
+def expand_to_beams(tree: Any, beam_size: int,
+                    batch_size: int | None = None) -> Any:
+  """Repeats every sentence's rows beam_size times (batch-major rows).
+
+  Leaves with a leading batch axis are repeated along axis 0; 0-d leaves
+  (e.g. a decode position counter) are shared by all rows and pass through.
+  beam_search applies this to the cache itself; callers use it for anything
+  else their step_fn closes over per sentence (encoder output, source ids).
+  If batch_size is given, a leaf whose leading axis differs raises ValueError.
+  """
+  def expand(x):
+    x = jnp.asarray(x)
+    if x.ndim == 0:
+      return x
+    if batch_size is not None and x.shape[0] != batch_size:
+      raise ValueError(f'leaf of shape {x.shape} has no leading batch axis of '
+                       f'size {batch_size} (and is not 0-d)')
+    return jnp.repeat(x, beam_size, axis=0)
+  return jax.tree.map(expand, tree)
+
+
+def _reorder_rows(tree: Any, rows: jax.Array) -> Any:
+  """Gathers rows (int32[B]) of every batched leaf; 0-d leaves pass through."""
+  return jax.tree.map(
+      lambda x: x if jnp.ndim(x) == 0 else jnp.take(x, rows, axis=0), tree)
+
+
+def _gather(x: jax.Array, idx: jax.Array) -> jax.Array:
+  """x[b, n, ...], idx int[b, m] -> out[b, m, ...]: x[i, idx[i, j]]."""
+  return x[jnp.arange(x.shape[0])[:, None], idx]
+
+
+def _beam_loop(next_logits, extra: Any, *, batch_size: int, beam_size: int,
+               max_decode_len: int, bos_id: int, eos_id: int, pad_id: int,
+               alpha: float, max_lengths: jax.Array | None):
+  """The beam while_loop shared by the cached and uncached variants.
+
+  next_logits(step, token int32[B, 1], seqs int32[B, L], extra) -> (logits
+  [B, vocab], new_extra) as in _greedy_loop; `extra` (the expanded cache, or
+  None) is reordered after each step so that its rows follow the surviving
+  beams. Returns (tokens [b, k, L], scores [b, k]).
+  """
+  _check_lengths(batch_size, max_decode_len)
+  if beam_size < 1:
+    raise ValueError(f'beam_size ({beam_size}) must be >= 1')
+  b, k, seq_len = batch_size, beam_size, max_decode_len
+  neg_inf = jnp.float32(-jnp.inf)
+  if max_lengths is None:
+    last_step = jnp.full((b,), seq_len, jnp.int32)   # never reached: no forcing
+  else:
+    max_lengths = jnp.asarray(max_lengths, jnp.int32)
+    if max_lengths.shape != (b,):
+      raise ValueError(f'max_lengths must have shape ({b},), got '
+                       f'{max_lengths.shape}')
+    last_step = max_lengths - 1          # the step at which only EOS is allowed
+  # Log-probs only decrease, and the penalty grows with length, so an alive
+  # beam scores at most its log-prob over the penalty of its longest length.
+  best_penalty = length_penalty(jnp.clip(last_step + 1, 1, seq_len), alpha)
+
+  def keep_decoding(state):
+    step, _, _, alive_logp, _, fin_score, _ = state
+    best_alive = jnp.max(alive_logp, axis=1) / best_penalty             # [b]
+    # Decided: beam_size finished hypotheses that no alive beam can beat
+    # (with fewer, worst is -inf: only decided once nothing is alive).
+    decided = jnp.min(fin_score, axis=1) >= best_alive
+    return _keep_decoding(step, decided, seq_len)
+
+  def body(state):
+    step, token, alive_seq, alive_logp, fin_seq, fin_score, extra = state
+    logits, extra = next_logits(step, token, alive_seq.reshape(b * k, seq_len),
+                                extra)
+    logp = jax.nn.log_softmax(_mask_pad(logits.astype(jnp.float32), pad_id))
+    logp = logp.reshape(b, k, -1)                                     # [b,k,V]
+    vocab = logp.shape[-1]
+    # A sentence at its max length may only end; EOS keeps its model log-prob.
+    forced = (step >= last_step)[:, None, None] & (jnp.arange(vocab) != eos_id)
+    logp = jnp.where(forced, neg_inf, logp)
+    # Dead beams (-inf) stay dead even if their logits are not finite.
+    alive = alive_logp[:, :, None]
+    cand = jnp.where(alive == neg_inf, neg_inf, alive + logp)
+    # 2k candidates hold at least k non-EOS ones: each parent ends once at most.
+    top_logp, top_idx = jax.lax.top_k(cand.reshape(b, k * vocab), 2 * k)
+    parent, top_token = top_idx // vocab, (top_idx % vocab).astype(jnp.int32)
+    top_seq = jax.lax.dynamic_update_slice_in_dim(
+        _gather(alive_seq, parent), top_token[:, :, None], step, axis=2)
+    ended = top_token == eos_id                                       # [b, 2k]
+
+    alive_logp, idx = jax.lax.top_k(jnp.where(ended, neg_inf, top_logp), k)
+    alive_seq = _gather(top_seq, idx)
+    rows = jnp.arange(b)[:, None] * k + _gather(parent, idx)            # [b, k]
+    extra = _reorder_rows(extra, rows.reshape(b * k))
+
+    new_score = jnp.where(ended, top_logp / length_penalty(step + 1, alpha),
+                          neg_inf)
+    # Old finished first: top_k keeps the lower index on ties.
+    fin_score, idx = jax.lax.top_k(
+        jnp.concatenate([fin_score, new_score], axis=1), k)
+    fin_seq = _gather(jnp.concatenate([fin_seq, top_seq], axis=1), idx)
+    token = jax.lax.dynamic_index_in_dim(alive_seq, step, axis=2)     # [b,k,1]
+    return (step + 1, token.reshape(b * k, 1), alive_seq, alive_logp, fin_seq,
+            fin_score, extra)
+
+  init = (
+      jnp.asarray(0, jnp.int32),
+      jnp.full((b * k, 1), bos_id, jnp.int32),
+      jnp.full((b, k, seq_len), pad_id, jnp.int32),                   # alive
+      # Only beam 0 starts alive, so the first step does not pick k copies.
+      jnp.tile(jnp.where(jnp.arange(k) == 0, 0.0, neg_inf), (b, 1)),
+      jnp.full((b, k, seq_len), pad_id, jnp.int32),                   # finished
+      jnp.full((b, k), neg_inf),
+      extra,
+  )
+  step, _, alive_seq, alive_logp, fin_seq, fin_score, _ = jax.lax.while_loop(
+      keep_decoding, body, init)
+
+  # Finished hypotheses first; where fewer than k finished (e.g. none by
+  # max_decode_len), alive ones fill the rest, scored as if they ended now;
+  # slots still empty (fewer than k hypotheses exist) get -inf and pad. Both
+  # sets are sorted best first (top_k), empty (-inf) slots last.
+  scores = jnp.concatenate(
+      [fin_score, alive_logp / length_penalty(step, alpha)], axis=1)  # [b, 2k]
+  seqs = jnp.concatenate([fin_seq, alive_seq], axis=1)
+  num_finished = jnp.sum(fin_score > neg_inf, axis=1, keepdims=True)  # [b, 1]
+  slot = jnp.arange(k)[None, :]
+  order = jnp.where(slot < num_finished, slot, k + slot - num_finished)
+  scores, seqs = _gather(scores, order), _gather(seqs, order)
+  seqs = jnp.where((scores == neg_inf)[:, :, None], pad_id, seqs)
+  return seqs, scores
+
+
+def beam_search(step_fn: StepFn, cache: Any, *, batch_size: int,
+                beam_size: int, max_decode_len: int, bos_id: int, eos_id: int,
+                pad_id: int = 0, alpha: float = 0.6,
+                max_lengths: jax.Array | None = None
+                ) -> tuple[jax.Array, jax.Array]:
+  """Beam search with an incremental cache and the GNMT length penalty.
+
+  Scores are log P(y) / ((5 + |y|) / 6) ** alpha with |y| the number of
+  generated tokens including EOS (log-probs over the vocabulary without PAD).
+  Each step extends every alive beam by every token, takes the top 2k of those
+  candidates, moves the ones ending in EOS to a sentence's finished set (its k
+  best scores) and keeps the best k others alive.
+
+  step_fn(token_ids int32[B, 1], cache) -> (logits float32[B, vocab],
+  new_cache) works on B = batch_size * beam_size rows, batch-major (row
+  i * beam_size + j is beam j of sentence i): whatever it closes over per
+  sentence must be expanded likewise (see expand_to_beams). `cache` is given
+  for batch_size rows; beam_search expands it, and after each step gathers
+  the rows of the beams that survive from their parents. Every cache leaf must
+  be either an array with a leading batch axis (repeated / gathered along
+  axis 0) or a 0-d array shared by all rows, e.g. a position counter (passed
+  through as step_fn returns it). Shapes and dtypes must not change.
+
+  max_lengths: optional int32[batch_size], each sentence's maximum number of
+  generated tokens including EOS: at step max_lengths[i] - 1 its beams can
+  only emit EOS. Without it, hypotheses are cut at max_decode_len.
+
+  Stops after max_decode_len steps, or once every sentence has beam_size
+  finished hypotheses and no alive beam could beat the worst of them even at
+  its longest length. Sentences with fewer than beam_size finished ones fill
+  the remaining slots from the alive beams (scored at their current length).
+
+  Returns (tokens int32[batch_size, beam_size, max_decode_len] in the module's
+  convention, scores float32[batch_size, beam_size]), sorted best first; slots
+  with no hypothesis at all (fewer than beam_size exist) have score -inf.
+  """
+  cache = expand_to_beams(cache, beam_size, batch_size)
+  return _beam_loop(
+      lambda step, token, seqs, cache: step_fn(token, cache), cache,
+      batch_size=batch_size, beam_size=beam_size, max_decode_len=max_decode_len,
+      bos_id=bos_id, eos_id=eos_id, pad_id=pad_id, alpha=alpha,
+      max_lengths=max_lengths)
+
+
+def beam_search_uncached(logits_fn: LogitsFn, *, batch_size: int,
+                         beam_size: int, max_decode_len: int, bos_id: int,
+                         eos_id: int, pad_id: int = 0, alpha: float = 0.6,
+                         max_lengths: jax.Array | None = None
+                         ) -> tuple[jax.Array, jax.Array]:
+  """beam_search by full recomputation of each beam's prefix every step.
+
+  logits_fn(target_input_ids int32[B, max_decode_len]) -> float32[B,
+  max_decode_len, vocab] must be causal, as for greedy_search_uncached, and
+  sees B = batch_size * beam_size batch-major rows. The reference the cached
+  path must match.
+  """
+  return _beam_loop(
+      _uncached_next_logits(logits_fn, bos_id), None, batch_size=batch_size,
+      beam_size=beam_size, max_decode_len=max_decode_len, bos_id=bos_id,
+      eos_id=eos_id, pad_id=pad_id, alpha=alpha, max_lengths=max_lengths)
 
 
 # --- Post-processing -----------------------------------------------------------

@@ -18,25 +18,52 @@ import ml_collections
 import numpy as np
 import tensorflow_datasets as tfds
 
-from transformer_jax import number_words
+from transformer_jax import number_words, text_dataset
 from transformer_jax.config import UserInputError
 from transformer_jax.tokenizer import EOS_ID, Tokenizer
 
 Batch = dict[str, np.ndarray]
 
 
-def load_data_sources(config: ml_collections.ConfigDict, data_dir: str) -> dict[str, Any]:
-  """Random-access sources of every split of `config.dataset`, preparing the embedded task."""
+def resolve_dataset(config: ml_collections.ConfigDict, data_dir: str) -> str:
+  """The tfds name to read, preparing the datasets this package builds itself.
+
+  'number_words[/config]' is generated offline; 'text' prepares the user's parallel files in
+  config.data.dir (once per content: the name carries the files' hash); anything else must be
+  a tfds dataset already prepared as array_record in data_dir.
+  """
   name = config.dataset
   if name.split('/')[0] == 'number_words':
     config_name = name.split('/')[1] if '/' in name else 'default'
     number_words.prepare(data_dir, config_name)
-    name = f'number_words/{config_name}'
+    return f'number_words/{config_name}'
+  if name == 'text':
+    if not config.data.dir:
+      raise UserInputError('config.dataset=text needs config.data.dir: the directory holding '
+                           f'train.{config.data.src_lang} and train.{config.data.tgt_lang}')
+    src_paths, tgt_paths = text_dataset.text_paths(config.data.dir, config.data.src_lang,
+                                                   config.data.tgt_lang)
+    return text_dataset.prepare_text_dataset(
+        src_path_by_split=src_paths, tgt_path_by_split=tgt_paths, data_dir=data_dir,
+        src_lang=config.data.src_lang, tgt_lang=config.data.tgt_lang,
+        max_chars=config.data.max_chars)
+  return name
+
+
+def load_data_sources(config: ml_collections.ConfigDict, data_dir: str) -> dict[str, Any]:
+  """Random-access sources of every split of the (prepared) dataset, by split name."""
+  name = resolve_dataset(config, data_dir)
   try:
-    return tfds.data_source(name, data_dir=data_dir, try_gcs=False)
+    sources = tfds.data_source(name, data_dir=data_dir, try_gcs=False)
   except (tfds.core.registered.DatasetNotFoundError, FileNotFoundError, AssertionError) as error:
     raise UserInputError(f'dataset {config.dataset!r} is not prepared in {data_dir}: '
-                     f'{str(error).splitlines()[0]}') from None
+                         f'{str(error).splitlines()[0]}') from None
+  for split in (config.train_split, config.eval_split, config.test_split):
+    if split not in sources:
+      raise UserInputError(f'dataset {name!r} has no split {split!r} (it has '
+                           f'{", ".join(sorted(sources))}); set config.train_split / '
+                           'eval_split / test_split')
+  return {'name': name, **sources}
 
 
 def _text(example: dict, key: str) -> str:
@@ -59,8 +86,8 @@ def read_examples(source, start: int = 0, stop: int | None = None,
 def training_sentences(source, config: ml_collections.ConfigDict) -> Iterator[str]:
   """Both sides of the first `vocab_max_examples` training pairs, for the shared vocabulary."""
   for example in read_examples(source, 0, config.vocab_max_examples):
-    yield _text(example, config.source_key)
-    yield _text(example, config.target_key)
+    yield _text(example, config.data.src_lang)
+    yield _text(example, config.data.tgt_lang)
 
 
 def load_or_train_tokenizer(config: ml_collections.ConfigDict, workdir: str,
@@ -112,10 +139,10 @@ class TokenizedSplit:
 
   @classmethod
   def build(cls, source, tokenizer: Tokenizer, config: ml_collections.ConfigDict,
-            cache_path: str | None = None) -> 'TokenizedSplit':
+            cache_path: str | None = None, dataset_name: str = '') -> 'TokenizedSplit':
     """Loads `cache_path` if it was made from the same source and vocabulary, else tokenizes."""
     fingerprint = json.dumps({
-        'dataset': config.dataset, 'keys': [config.source_key, config.target_key],
+        'dataset': dataset_name, 'keys': [config.data.src_lang, config.data.tgt_lang],
         'examples': len(source), 'vocabulary': tokenizer.fingerprint}, sort_keys=True)
     if cache_path and os.path.exists(cache_path):
       with np.load(cache_path, allow_pickle=False) as cached:
@@ -123,8 +150,8 @@ class TokenizedSplit:
           return cls({name: cached[name] for name in cls._FIELDS})
     sides = {'inputs': [], 'targets': []}
     for example in read_examples(source):
-      sides['inputs'].append(_text(example, config.source_key))
-      sides['targets'].append(_text(example, config.target_key))
+      sides['inputs'].append(_text(example, config.data.src_lang))
+      sides['targets'].append(_text(example, config.data.tgt_lang))
     arrays = {}
     for side, texts in sides.items():
       ids = [sequence + [EOS_ID] for sequence in tokenizer.encode_batch(texts)]
@@ -144,9 +171,10 @@ def tokenized_splits(sources: dict, tokenizer: Tokenizer, config: ml_collections
                      workdir: str) -> dict[str, TokenizedSplit]:
   splits = {}
   for split in dict.fromkeys([config.train_split, config.eval_split, config.test_split]):
-    name = f'{config.dataset.replace("/", "_")}-{split}.npz'
+    name = f'{sources["name"].replace("/", "_")}-{split}.npz'
     splits[split] = TokenizedSplit.build(sources[split], tokenizer, config,
-                                         os.path.join(workdir, 'token_cache', name))
+                                         os.path.join(workdir, 'token_cache', name),
+                                         dataset_name=sources['name'])
   return splits
 
 
@@ -214,5 +242,5 @@ def eval_texts(source, config: ml_collections.ConfigDict,
                max_examples: int | None = None) -> tuple[list[str], list[str]]:
   """(sources, references) as text, in split order."""
   examples = list(read_examples(source, 0, max_examples))
-  return ([_text(e, config.source_key) for e in examples],
-          [_text(e, config.target_key) for e in examples])
+  return ([_text(e, config.data.src_lang) for e in examples],
+          [_text(e, config.data.tgt_lang) for e in examples])

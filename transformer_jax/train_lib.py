@@ -206,21 +206,40 @@ def exact_match(trainer: Trainer, params, source, tokenized: input_pipeline.Toke
   return hits / max(len(references), 1)
 
 
+# Config fields that decide what the parameters and the data order mean: a resumed run must
+# keep them. Everything else (number of steps, intervals, paths, batch size) may change.
+_RESUME_FIXED_FIELDS = ('dataset', 'data.src_lang', 'data.tgt_lang', 'vocab_size',
+                        'vocab_model_type', 'max_source_length', 'max_target_length', 'seed')
+
+
+def _resume_fields(config_dict: dict, model: dict) -> dict:
+  fields = {f'model.{k}': v for k, v in model.items()}
+  for name in _RESUME_FIXED_FIELDS:
+    value = config_dict
+    for part in name.split('.'):
+      value = value.get(part) if isinstance(value, dict) else None
+    fields[name] = value
+  return fields
+
+
 def _save_config(config: ml_collections.ConfigDict, model_config: TransformerConfig,
                  workdir: str) -> None:
-  """Writes the resolved config; on resume, refuses a model whose shape differs."""
+  """Writes the resolved config; on resume, refuses changes to fields the run depends on."""
   path = os.path.join(workdir, CONFIG_FILE)
   resolved = {'config': json.loads(config.to_json()), 'model': model_config.to_dict()}
   if os.path.exists(path):
-    with open(path) as f:
-      saved = json.load(f)
-    differing = sorted(k for k in resolved['model']
-                       if saved.get('model', {}).get(k) != resolved['model'][k])
+    try:
+      with open(path) as f:
+        saved = json.load(f)
+    except json.JSONDecodeError as error:
+      raise UserInputError(f'{path}: not valid JSON ({error})') from None
+    before = _resume_fields(saved.get('config', {}), saved.get('model', {}))
+    after = _resume_fields(resolved['config'], resolved['model'])
+    differing = [k for k in after if before.get(k) != after[k]]
     if differing:
-      details = ', '.join(f'{k}: {saved.get("model", {}).get(k)!r} -> {resolved["model"][k]!r}'
-                          for k in differing)
-      raise UserInputError(f'{path}: the workdir holds a model with different fields ({details}); '
-                       'use a new --workdir or the original settings')
+      details = ', '.join(f'{k}: {before.get(k)!r} -> {after[k]!r}' for k in differing)
+      raise UserInputError(f'{path}: resuming with changed fields ({details}); use a new '
+                           '--workdir or the original settings')
   if jax.process_index() == 0:
     tmp = path + '.tmp'
     with open(tmp, 'w') as f:
