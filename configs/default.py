@@ -77,9 +77,17 @@ def get_config() -> ml_collections.ConfigDict:
   # Recompute layer activations in the backward pass to save memory.
   config.model.remat = False
 
-  # --- Optimisation -----------------------------------------------------------------------
-  # Sentence pairs per device per step (global batch = this x number of devices).
+  # --- Batching ---------------------------------------------------------------------------
+  # 'fixed': per_device_batch_size pairs padded to the maximum lengths (this task's pairs are
+  # all short). 'tokens': the paper's scheme, pairs of similar length in buckets of at most
+  # tokens_per_batch padded tokens per side.
+  config.batching = 'fixed'
+  # Sentence pairs per device per step when batching='fixed' (global = this x devices).
   config.per_device_batch_size = 64
+  # Global budget of padded tokens per side and batch when batching='tokens' (paper: 25,000).
+  config.tokens_per_batch = 4096
+
+  # --- Optimisation -----------------------------------------------------------------------
   # Total optimiser steps.
   config.num_train_steps = 1000
   # Warmup of the paper's schedule lr = scale * d_model^-0.5 * min(step^-0.5, step*warmup^-1.5).

@@ -126,6 +126,10 @@ class TokenizedSplit:
   def __len__(self) -> int:
     return len(self._arrays['inputs_offsets']) - 1
 
+  def lengths(self) -> tuple[np.ndarray, np.ndarray]:
+    """(source lengths, target lengths) of every example, EOS included."""
+    return (np.diff(self._arrays['inputs_offsets']), np.diff(self._arrays['targets_offsets']))
+
   def __getitem__(self, index: int) -> dict[str, np.ndarray]:
     arrays = self._arrays
     if not 0 <= index < len(self):

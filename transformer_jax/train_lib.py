@@ -23,7 +23,7 @@ import optax
 from flax import struct
 from flax.training import train_state
 
-from transformer_jax import input_pipeline, inference, sharding
+from transformer_jax import batching, input_pipeline, inference, sharding
 from transformer_jax.checkpointing import Checkpointer
 from transformer_jax.config import TransformerConfig, UserInputError
 from transformer_jax.decode import strip_after_eos
@@ -263,6 +263,28 @@ def _validate(config: ml_collections.ConfigDict) -> None:
     raise UserInputError(f'config.label_smoothing must be in [0, 1), got {config.label_smoothing}')
 
 
+def _make_train_iterator(config: ml_collections.ConfigDict, split):
+  """The training batches: fixed-size (sentences x max length) or token-budget buckets."""
+  if config.batching == 'fixed':
+    return input_pipeline.make_train_iterator(
+        split, config, batch_size=config.per_device_batch_size * jax.local_device_count(),
+        seed=config.seed, process_index=jax.process_index(),
+        process_count=jax.process_count())
+  if config.batching == 'tokens':
+    iterator, plan = batching.make_token_budget_iterator(
+        split, tokens_per_batch=config.tokens_per_batch,
+        max_length=max(config.max_source_length, config.max_target_length), seed=config.seed,
+        process_index=jax.process_index(), process_count=jax.process_count(),
+        devices_per_process=jax.local_device_count())
+    source_lengths, target_lengths = split.lengths()
+    log(f'token-budget batches: buckets {plan.buckets}, rows {plan.rows}, '
+        f'{len(plan.epoch(0))} batches per epoch, padding '
+        f'{plan.padding_fraction(0, source_lengths, target_lengths):.1%}, '
+        f'{len(plan.eligible):,} of {len(split):,} pairs fit the maximum length')
+    return iterator
+  raise UserInputError(f"config.batching must be 'fixed' or 'tokens', got {config.batching!r}")
+
+
 class _PreemptionFlag:
   """Set by SIGTERM/SIGINT; the loop checks it between steps, saves and exits cleanly."""
 
@@ -318,10 +340,7 @@ def _train_and_evaluate(config, workdir, preemption: _PreemptionFlag) -> dict[st
   if config.eval_batch_size % device_count:
     raise UserInputError(f'config.eval_batch_size={config.eval_batch_size} must be a multiple '
                          f'of the {device_count} devices')
-  local_batch_size = config.per_device_batch_size * jax.local_device_count()
-  train_iterator = input_pipeline.make_train_iterator(
-      tokenized[config.train_split], config, batch_size=local_batch_size,
-      seed=config.seed, process_index=jax.process_index(), process_count=jax.process_count())
+  train_iterator = _make_train_iterator(config, tokenized[config.train_split])
 
   checkpointer = Checkpointer(os.path.join(workdir, CHECKPOINT_DIR),
                               keep=config.keep_checkpoints)
