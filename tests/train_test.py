@@ -71,3 +71,27 @@ def test_train_py_invalid_size_is_a_one_line_error(tmp_path, data_dir):
   error_lines = [l for l in result.stderr.decode().splitlines() if l.startswith('error: ')]
   assert error_lines == ['error: TransformerConfig.d_ff must be a positive integer, got 0']
   assert 'Traceback' not in result.stderr.decode()
+
+
+def test_averaged_checkpoint_is_loaded_by_name_and_by_default(trained_workdir):
+  import jax
+  import numpy as np
+  from transformer_jax.translate import Translator
+  workdir, _ = trained_workdir
+  result = _run(['-m', 'transformer_jax.average', f'--workdir={workdir}', '--last=2'])
+  assert result.returncode == 0, result.stderr.decode()[-3000:]
+  step3 = Translator.from_checkpoint(workdir, 3).params
+  step6 = Translator.from_checkpoint(workdir, 'latest').params
+  averaged = Translator.from_checkpoint(workdir, 'averaged').params
+  default = Translator.from_checkpoint(workdir).params  # Averaged from the latest: used.
+  for a, b, mean, d in zip(*(jax.tree_util.tree_leaves(t)
+                             for t in (step3, step6, averaged, default))):
+    np.testing.assert_allclose(mean, (np.asarray(a, np.float64) + b) / 2, rtol=0, atol=1e-7)
+    np.testing.assert_array_equal(d, mean)
+  # translate --checkpoint accepts the same names; a bad one is a one-line error.
+  result = _run(['-m', 'transformer_jax.translate', f'--workdir={workdir}',
+                 '--checkpoint=averaged'], stdin=b'seven\n')
+  assert result.returncode == 0 and len(result.stdout.decode().splitlines()) == 1
+  result = _run(['-m', 'transformer_jax.translate', f'--workdir={workdir}',
+                 '--checkpoint=best'], stdin=b'seven\n')
+  assert result.returncode == 2 and 'error: --checkpoint must be' in result.stderr.decode()

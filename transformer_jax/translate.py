@@ -20,7 +20,9 @@ import numpy as np
 from absl import app, flags, logging
 
 from transformer_jax import inference
-from transformer_jax.checkpointing import Checkpointer
+from transformer_jax.average import averaged_dir
+from transformer_jax.checkpointing import (Checkpointer, is_params_checkpoint, read_metadata,
+                                           restore_params_from)
 from transformer_jax.config import TransformerConfig, UserInputError
 from transformer_jax.decode import strip_after_eos
 from transformer_jax.metric_writers import quiet_library_logs
@@ -56,9 +58,14 @@ class Translator:
         static_argnums=(2,))
 
   @classmethod
-  def from_checkpoint(cls, workdir: str, checkpoint: int | None = None,
+  def from_checkpoint(cls, workdir: str, checkpoint: int | str | None = None,
                       batch_size: int = 64) -> 'Translator':
-    """Loads the config, vocabulary and the parameters of a checkpoint (default: latest)."""
+    """Loads the config, vocabulary and parameters of a workdir.
+
+    checkpoint: a step number, 'averaged' (written by `python -m transformer_jax.average`),
+    'latest', or None: the averaged checkpoint if it was made from the latest training
+    checkpoint, else the latest training checkpoint.
+    """
     config_path = os.path.join(workdir, 'config.json')
     if not os.path.exists(config_path):
       raise FileNotFoundError(f'{config_path} not found: is {workdir} a training workdir?')
@@ -70,8 +77,8 @@ class Translator:
     model_config = TransformerConfig.from_dict(saved['model'])
     tokenizer = Tokenizer.load(os.path.join(workdir, 'vocab.model'))
     if tokenizer.vocab_size != model_config.vocab_size:
-      raise UserInputError(f'{tokenizer.path}: vocabulary has {tokenizer.vocab_size} pieces but the '
-                       f'model in {config_path} expects {model_config.vocab_size}')
+      raise UserInputError(f'{tokenizer.path}: vocabulary has {tokenizer.vocab_size} pieces but '
+                           f'the model in {config_path} expects {model_config.vocab_size}')
     model = Transformer(model_config)
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     dummy = jnp.ones((1, 1), jnp.int32)
@@ -79,8 +86,7 @@ class Translator:
     abstract_params = jax.tree_util.tree_map(
         lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=device),
         nn.meta.unbox(abstract['params']))
-    with Checkpointer(os.path.join(workdir, 'checkpoints'), async_save=False) as checkpointer:
-      params = checkpointer.restore_params(abstract_params, checkpoint)
+    params = _restore(workdir, checkpoint, abstract_params)
     return cls(model_config, params, tokenizer, batch_size)
 
   def translate(self, sentences: Sequence[str]) -> list[str]:
@@ -114,12 +120,45 @@ class Translator:
     return outputs
 
 
+def _restore(workdir: str, checkpoint: int | str | None, abstract_params):
+  averaged = averaged_dir(workdir)
+  with Checkpointer(os.path.join(workdir, 'checkpoints'), keep=None,
+                    async_save=False) as checkpointer:
+    if checkpoint == 'averaged' or (checkpoint is None and is_params_checkpoint(averaged)):
+      if not is_params_checkpoint(averaged):
+        raise FileNotFoundError(f'no averaged checkpoint in {averaged}: run '
+                                f'`python -m transformer_jax.average --workdir={workdir}`')
+      made_from = read_metadata(averaged).get('latest_step')
+      latest = checkpointer.latest_step()
+      if checkpoint == 'averaged' or made_from == latest:
+        logging.info('loading the average of checkpoints %s from %s',
+                     read_metadata(averaged).get('averaged_steps'), averaged)
+        return restore_params_from(averaged, abstract_params)
+      logging.warning('%s was made up to step %s but the latest checkpoint is %s; loading the '
+                      'latest (rerun transformer_jax.average to refresh it)', averaged,
+                      made_from, latest)
+    step = None if checkpoint in (None, 'latest') else int(checkpoint)
+    return checkpointer.restore_params(abstract_params, step)
+
+
+def checkpoint_flag_value(value: str | None) -> int | str | None:
+  """--checkpoint: a step number, 'averaged' or 'latest'."""
+  if value is None or value in ('averaged', 'latest'):
+    return value
+  try:
+    return int(value)
+  except ValueError:
+    raise UserInputError(f"--checkpoint must be a step number, 'averaged' or 'latest', "
+                         f'got {value!r}') from None
+
+
 FLAGS = flags.FLAGS
 
 
 def _define_flags():
   flags.DEFINE_string('workdir', None, 'Training workdir (config.json, vocab.model, checkpoints).')
-  flags.DEFINE_integer('checkpoint', None, 'Checkpoint step to load (default: the latest).')
+  flags.DEFINE_string('checkpoint', None, "Step number, 'averaged' or 'latest' (default: the "
+                      'averaged checkpoint if current, else the latest).')
   flags.DEFINE_integer('batch_size', 64, 'Sentences decoded together.')
   flags.mark_flags_as_required(['workdir'])
 
@@ -128,7 +167,8 @@ def main(argv):
   del argv
   quiet_library_logs()
   try:
-    translator = Translator.from_checkpoint(FLAGS.workdir, FLAGS.checkpoint, FLAGS.batch_size)
+    translator = Translator.from_checkpoint(
+        FLAGS.workdir, checkpoint_flag_value(FLAGS.checkpoint), FLAGS.batch_size)
   except (FileNotFoundError, UserInputError) as error:
     print(f'error: {error}', file=sys.stderr)
     sys.exit(2)
