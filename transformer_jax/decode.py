@@ -12,8 +12,9 @@ never generated.
 
 The loops use jax.lax.while_loop, so they compile once for every length, stop
 as soon as every row is decided (greedy: emitted EOS; beam: see beam_search),
-and can be jitted or called inside jit
-(the keyword arguments must then be static, e.g. bound with functools.partial).
+and can be jitted or called inside jit (the keyword arguments must then be
+static, e.g. bound with functools.partial; beam search's max_lengths may be
+traced).
 """
 
 from __future__ import annotations
@@ -303,7 +304,8 @@ def beam_search(step_fn: StepFn, cache: Any, *, batch_size: int,
   """Beam search with an incremental cache and the GNMT length penalty.
 
   Scores are log P(y) / ((5 + |y|) / 6) ** alpha with |y| the number of
-  generated tokens including EOS (log-probs over the vocabulary without PAD).
+  generated tokens including EOS (log-probs over the vocabulary without PAD;
+  alpha >= 0, 0 meaning plain log-probs).
   Each step extends every alive beam by every token, takes the top 2k of those
   candidates, moves the ones ending in EOS to a sentence's finished set (its k
   best scores) and keeps the best k others alive.
