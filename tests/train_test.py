@@ -95,3 +95,30 @@ def test_averaged_checkpoint_is_loaded_by_name_and_by_default(trained_workdir):
   result = _run(['-m', 'transformer_jax.translate', f'--workdir={workdir}',
                  '--checkpoint=best'], stdin=b'seven\n')
   assert result.returncode == 2 and 'error: --checkpoint must be' in result.stderr.decode()
+
+
+def test_evaluate_prints_sacrebleu_with_signature_and_writes_hypotheses(trained_workdir, tmp_path):
+  import sacrebleu
+  from transformer_jax import number_words
+  workdir, _ = trained_workdir
+  numbers = [7, 21, 342005, 1000001, 90]
+  src, ref = tmp_path / 'test.en', tmp_path / 'test.de'
+  src.write_text(''.join(number_words.english_words(n) + '\n' for n in numbers))
+  ref.write_text(''.join(number_words.german_words(n) + '\r\n' for n in numbers))  # CRLF.
+  out = tmp_path / 'hyp.txt'
+  result = _run(['-m', 'transformer_jax.evaluate', f'--workdir={workdir}', f'--src={src}',
+                 f'--ref={ref}', f'--out={out}', '--beam_size=2', '--checkpoint=latest'])
+  assert result.returncode == 0, result.stderr.decode()[-3000:]
+  stdout = result.stdout.decode()
+  assert 'nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:' in stdout
+  hypotheses = out.read_text().split('\n')[:-1]
+  assert len(hypotheses) == len(numbers)
+  expected = sacrebleu.corpus_bleu(hypotheses, [[number_words.german_words(n)
+                                                 for n in numbers]]).score
+  assert f'BLEU = {expected:.2f}' in stdout
+
+  ref.write_text('only one line\n')
+  result = _run(['-m', 'transformer_jax.evaluate', f'--workdir={workdir}', f'--src={src}',
+                 f'--ref={ref}'])
+  assert result.returncode == 2
+  assert f'error: {src} has 5 lines but {ref} has 1' in result.stderr.decode()

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from transformer_jax import number_words
+from transformer_jax import inference, number_words
 from transformer_jax.config import TransformerConfig
 from transformer_jax.models import Transformer
 from transformer_jax.tokenizer import Tokenizer
@@ -37,22 +37,47 @@ def test_bucket_sizes():
 
 
 def test_empty_and_blank_lines_give_empty_lines():
-  outputs = _translator().translate(['', 'one', '  ', '\t', 'two hundred'])
+  outputs = _translator().translate(['', 'one', '  ', '\t', 'two hundred'], beam_size=1)
   assert len(outputs) == 5
   assert outputs[0] == outputs[2] == outputs[3] == ''
 
 
 def test_overlong_input_is_truncated_with_a_warning_not_a_crash(caplog):
-  outputs = _translator().translate(['one ' * 500])
+  outputs = _translator().translate(['one ' * 500], beam_size=1)
   assert len(outputs) == 1
   assert any('truncated' in r.getMessage() for r in caplog.records)
 
 
 def test_output_does_not_depend_on_batch_companions():
   translator = _translator()
-  alone = translator.translate(['seven hundred one'])
-  together = translator.translate(['three', 'seven hundred one', 'nine thousand ' * 3])
-  assert together[1] == alone[0]
+  for beam_size in (1, 4):
+    alone = translator.translate(['seven hundred one'], beam_size=beam_size)
+    together = translator.translate(['three', 'seven hundred one', 'nine thousand ' * 3],
+                                    beam_size=beam_size)
+    assert together[1] == alone[0]
+
+
+def test_model_beam_search_beam1_is_greedy_and_cache_changes_nothing():
+  """On the real model: beam 1 without penalty == greedy; cached == uncached; sorted scores."""
+  translator = _translator()
+  src = np.zeros((2, 8), np.int32)
+  src[0, :4] = [20, 30, 40, 1]
+  src[1, :3] = [50, 60, 1]
+  model, params = translator.model, translator.params
+  tokens, scores = jax.jit(functools.partial(inference.beam_decode, model, beam_size=4,
+                                             alpha=0.6, max_decode_len=10))(params, src)
+  greedy = jax.jit(functools.partial(inference.greedy_decode, model, max_decode_len=10))(
+      params, src)
+  beam1, _ = jax.jit(functools.partial(inference.beam_decode, model, beam_size=1, alpha=0.0,
+                                       max_decode_len=10))(params, src)
+  np.testing.assert_array_equal(beam1[:, 0], greedy)  # Beam 1 without penalty is greedy.
+  assert np.all(np.diff(np.asarray(scores), axis=1) <= 1e-6)  # Sorted best first.
+  # Uncached beam search agrees with the cached one.
+  tokens_uncached, scores_uncached = jax.jit(functools.partial(
+      inference.beam_decode, model, beam_size=4, alpha=0.6, max_decode_len=10,
+      use_cache=False))(params, src)
+  np.testing.assert_array_equal(tokens, tokens_uncached)
+  np.testing.assert_allclose(scores, scores_uncached, atol=1e-5)
 
 
 _lines = st.lists(
@@ -67,7 +92,7 @@ _lines = st.lists(
 @given(_lines)
 def test_one_output_per_input_in_order(lines):
   lines = [line.replace('\n', ' ').replace('\r', ' ') for line in lines]
-  outputs = _translator().translate(lines)
+  outputs = _translator().translate(lines, beam_size=1)
   assert len(outputs) == len(lines)
   for line, output in zip(lines, outputs):
     assert isinstance(output, str) and '\n' not in output

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import sys
+import threading
 
 import grain
 import numpy as np
@@ -25,7 +26,7 @@ _POOL_BATCHES = 64
 
 
 def bucket_lengths(max_length: int, min_length: int = 8) -> list[int]:
-  """Bucket lengths growing by ~1.5x from min_length: [8, 12, 16, 24, 32, 48, ...], then max."""
+  """Bucket lengths growing by ~1.5x from min_length: [8, 12, 20, 32, 48, 72, ...], then max."""
   lengths, length = [], min_length
   while length < max_length:
     lengths.append(length)
@@ -40,7 +41,9 @@ class TokenBudgetPlan:
 
   def __init__(self, source_lengths: np.ndarray, target_lengths: np.ndarray, *,
                tokens_per_batch: int, max_length: int, seed: int, row_multiple: int = 1):
-    self.lengths = np.maximum(source_lengths, target_lengths)
+    self.source_lengths = np.asarray(source_lengths)
+    self.target_lengths = np.asarray(target_lengths)
+    self.lengths = np.maximum(self.source_lengths, self.target_lengths)
     self.eligible = np.flatnonzero(self.lengths <= max_length)
     self.buckets = bucket_lengths(max_length)
     # Rows per bucket: the token budget over the padded length, a multiple of row_multiple so
@@ -49,15 +52,18 @@ class TokenBudgetPlan:
                  for length in self.buckets]
     self.seed = seed
     self._epoch_sizes: list[int] = []
-    self._cached_epoch, self._cached_plan = None, None
+    # (epoch, plan) in one field: grain reads batches from several threads.
+    self._cached: tuple[int, list] | None = None
+    self._lock = threading.Lock()
 
   def bucket_of(self, length: int) -> int:
     return bisect.bisect_left(self.buckets, length)
 
   def epoch(self, epoch: int) -> list[tuple[int, np.ndarray]]:
     """[(bucket index, example indices)] for one epoch, in training order."""
-    if epoch == self._cached_epoch:
-      return self._cached_plan
+    cached = self._cached
+    if cached is not None and cached[0] == epoch:
+      return cached[1]
     rng = np.random.default_rng([self.seed, epoch])
     order = rng.permutation(self.eligible)
     pool_size = _POOL_BATCHES * max(self.rows)
@@ -78,26 +84,27 @@ class TokenBudgetPlan:
       if members:
         batches.append((bucket, np.asarray(members)))
     batches = [batches[i] for i in rng.permutation(len(batches))]
-    self._cached_epoch, self._cached_plan = epoch, batches
+    self._cached = (epoch, batches)
     return batches
 
   def locate(self, index: int) -> tuple[int, int]:
     """Global batch counter -> (epoch, batch within the epoch)."""
     epoch = 0
     while True:
-      if epoch == len(self._epoch_sizes):
-        self._epoch_sizes.append(len(self.epoch(epoch)))
+      with self._lock:
+        if epoch == len(self._epoch_sizes):
+          self._epoch_sizes.append(len(self.epoch(epoch)))
       if index < self._epoch_sizes[epoch]:
         return epoch, index
       index -= self._epoch_sizes[epoch]
       epoch += 1
 
-  def padding_fraction(self, epoch: int = 0, source_lengths=None, target_lengths=None) -> float:
+  def padding_fraction(self, epoch: int = 0) -> float:
     """Fraction of the batches' source+target positions that are padding, over one epoch."""
     real = padded = 0
     for bucket, members in self.epoch(epoch):
       padded += 2 * self.rows[bucket] * self.buckets[bucket]
-      real += int(source_lengths[members].sum() + target_lengths[members].sum())
+      real += int(self.source_lengths[members].sum() + self.target_lengths[members].sum())
     return 1.0 - real / max(padded, 1)
 
 

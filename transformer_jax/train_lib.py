@@ -276,10 +276,9 @@ def _make_train_iterator(config: ml_collections.ConfigDict, split):
         max_length=max(config.max_source_length, config.max_target_length), seed=config.seed,
         process_index=jax.process_index(), process_count=jax.process_count(),
         devices_per_process=jax.local_device_count())
-    source_lengths, target_lengths = split.lengths()
     log(f'token-budget batches: buckets {plan.buckets}, rows {plan.rows}, '
         f'{len(plan.epoch(0))} batches per epoch, padding '
-        f'{plan.padding_fraction(0, source_lengths, target_lengths):.1%}, '
+        f'{plan.padding_fraction(0):.1%}, '
         f'{len(plan.eligible):,} of {len(split):,} pairs fit the maximum length')
     return iterator
   raise UserInputError(f"config.batching must be 'fixed' or 'tokens', got {config.batching!r}")

@@ -52,10 +52,15 @@ class Translator:
     self.params = params
     self.tokenizer = tokenizer
     self.batch_size = batch_size
-    self._decode = jax.jit(
+    self._greedy = jax.jit(
         lambda params, src, max_decode_len: inference.greedy_decode(
             self.model, params, src, max_decode_len=max_decode_len),
         static_argnums=(2,))
+    self._beam = jax.jit(
+        lambda params, src, max_lengths, beam_size, alpha, max_decode_len: inference.beam_decode(
+            self.model, params, src, beam_size=beam_size, alpha=alpha,
+            max_decode_len=max_decode_len, max_lengths=max_lengths)[0][:, 0],
+        static_argnums=(3, 4, 5))
 
   @classmethod
   def from_checkpoint(cls, workdir: str, checkpoint: int | str | None = None,
@@ -89,8 +94,19 @@ class Translator:
     params = _restore(workdir, checkpoint, abstract_params)
     return cls(model_config, params, tokenizer, batch_size)
 
-  def translate(self, sentences: Sequence[str]) -> list[str]:
-    """One translation per input sentence, in order. Empty input gives empty output."""
+  def translate(self, sentences: Sequence[str], beam_size: int = 4,
+                alpha: float = 0.6) -> list[str]:
+    """One translation per input sentence, in order. Empty input gives empty output.
+
+    beam_size 1 is greedy decoding; otherwise beam search with the GNMT length penalty
+    ((5 + len) / 6)^alpha (the paper: beam 4, alpha 0.6). Outputs are at most the source length
+    + 50 tokens (and the model's max_len). Sentences are sorted by length into batches and
+    returned in the original order.
+    """
+    if not isinstance(beam_size, int) or beam_size < 1:
+      raise UserInputError(f'beam_size must be a positive integer, got {beam_size!r}')
+    if alpha < 0:
+      raise UserInputError(f'alpha must be >= 0, got {alpha!r}')
     max_len = self.model_config.max_len
     encoded: list[list[int] | None] = []
     for index, sentence in enumerate(sentences):
@@ -111,11 +127,17 @@ class Translator:
       rows = order[start:start + self.batch_size]
       source_length = _bucket(max(len(encoded[i]) for i in rows), max_len)
       src = np.full((self.batch_size, source_length), PAD_ID, np.int32)
+      max_lengths = np.ones((self.batch_size,), np.int32)
       for row, index in enumerate(rows):
         src[row, :len(encoded[index])] = encoded[index]
+        max_lengths[row] = len(encoded[index]) + _EXTRA_DECODE_LENGTH
       max_decode_len = min(max_len, source_length + _EXTRA_DECODE_LENGTH)
-      tokens = np.asarray(self._decode(self.params, src, max_decode_len))
-      for row, ids in zip(rows, strip_after_eos(tokens, EOS_ID, pad_id=PAD_ID)):
+      if beam_size == 1:
+        tokens = self._greedy(self.params, src, max_decode_len)
+      else:
+        tokens = self._beam(self.params, src, np.minimum(max_lengths, max_decode_len),
+                            beam_size, float(alpha), max_decode_len)
+      for row, ids in zip(rows, strip_after_eos(np.asarray(tokens), EOS_ID, pad_id=PAD_ID)):
         outputs[row] = self.tokenizer.decode(ids)
     return outputs
 
@@ -160,6 +182,8 @@ def _define_flags():
   flags.DEFINE_string('checkpoint', None, "Step number, 'averaged' or 'latest' (default: the "
                       'averaged checkpoint if current, else the latest).')
   flags.DEFINE_integer('batch_size', 64, 'Sentences decoded together.')
+  flags.DEFINE_integer('beam_size', 4, 'Beam size; 1 = greedy (the paper: 4).')
+  flags.DEFINE_float('alpha', 0.6, 'Length penalty exponent ((5+len)/6)^alpha (the paper: 0.6).')
   flags.mark_flags_as_required(['workdir'])
 
 
@@ -175,7 +199,7 @@ def main(argv):
   # Bytes that are not UTF-8 become U+FFFD instead of ending the run.
   lines = [line.decode('utf-8', errors='replace').rstrip('\r\n')
            for line in sys.stdin.buffer]
-  for translation in translator.translate(lines):
+  for translation in translator.translate(lines, beam_size=FLAGS.beam_size, alpha=FLAGS.alpha):
     sys.stdout.write(translation.replace('\n', ' ') + '\n')
   sys.stdout.flush()
 
