@@ -10,6 +10,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from transformer_jax import train_lib
+from transformer_jax.checkpointing import CorruptCheckpointError
 from transformer_jax.config import UserInputError
 from transformer_jax.metric_writers import quiet_library_logs
 
@@ -28,6 +29,9 @@ def main(argv):
     train_lib.train_and_evaluate(FLAGS.config, FLAGS.workdir)
   except (UserInputError, FileNotFoundError) as error:
     # A mistake in what was given, not a bug: one line, no traceback, non-zero exit.
+    print(f'error: {error}', file=sys.stderr)
+    sys.exit(2)
+  except CorruptCheckpointError as error:
     print(f'error: {error}', file=sys.stderr)
     sys.exit(2)
   except train_lib.NonFiniteError as error:

@@ -80,11 +80,14 @@ def get_config() -> ml_collections.ConfigDict:
   # --- Batching ---------------------------------------------------------------------------
   # 'fixed': per_device_batch_size pairs padded to the maximum lengths (this task's pairs are
   # all short). 'tokens': the paper's scheme, pairs of similar length in buckets of at most
-  # tokens_per_batch padded tokens per side.
+  # tokens_per_batch padded tokens per side. 'packed': several pairs per row, rows of
+  # L = max(max_source_length, max_target_length) tokens per side, tokens_per_batch // L rows
+  # (segment ids keep the pairs apart in the model; least padding, one shape).
   config.batching = 'fixed'
   # Sentence pairs per device per step when batching='fixed' (global = this x devices).
   config.per_device_batch_size = 64
-  # Global budget of padded tokens per side and batch when batching='tokens' (paper: 25,000).
+  # Global budget of padded tokens per side and batch when batching='tokens' or 'packed'
+  # (paper: 25,000).
   config.tokens_per_batch = 4096
 
   # --- Optimisation -----------------------------------------------------------------------
@@ -124,10 +127,34 @@ def get_config() -> ml_collections.ConfigDict:
   config.final_test_decode = True
 
   # --- Devices ----------------------------------------------------------------------------
-  # Mesh shape over the axes ('data',); -1 = all remaining devices.
-  config.mesh_shape = (-1,)
-  # Logical axis -> mesh axis rules (None = replicated). Data parallelism: the batch over 'data'.
+  # Mesh shape over the axes ('data', 'fsdp', 'tensor'); one -1 = all remaining devices.
+  # 'data': batch split, parameters replicated. 'fsdp': batch split and parameters/optimiser
+  # state sharded. 'tensor': attention heads and FFN hidden units split (Megatron-style).
+  # E.g. (-1, 1, 1) data parallel, (1, -1, 1) FSDP, (2, 1, 4) data x tensor parallel.
+  config.mesh_shape = (-1, 1, 1)
+  # Logical axis -> mesh axes rules (None = replicated), in order of precedence; one set for
+  # every layout, since a mesh axis of size 1 splits nothing. A dimension that an axis's size
+  # does not divide (e.g. 4 heads on tensor=8) is replicated instead, with a log line.
   config.logical_axis_rules = (
-      ('activation_batch', 'data'),
+      # Activations: the batch over both data-carrying axes, jointly.
+      ('activation_batch', ('data', 'fsdp')),
+      # Sequence positions of activations: never split.
+      ('activation_length', None),
+      # Residual stream width of activations: replicated over 'tensor' (Megatron layout).
+      ('activation_embed', None),
+      # d_model dimension of every weight: FSDP shards parameters and optimiser state along it.
+      ('embed', 'fsdp'),
+      # Attention heads: q/k/v column-parallel, the output projection row-parallel.
+      ('heads', 'tensor'),
+      # FFN hidden units: wi column-parallel, wo row-parallel.
+      ('mlp', 'tensor'),
+      # Vocabulary rows of the (shared) embedding / output projection.
+      ('vocab', 'tensor'),
+      # Per-head query/key/value size: not split (heads already are).
+      ('kv', None),
+      # Learned position table rows: not split.
+      ('length', None),
+      # The scanned layer-stack axis: every device holds its share of every layer.
+      ('layers', None),
   )
   return config

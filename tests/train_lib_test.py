@@ -122,7 +122,7 @@ _EIGHT_DEVICES = textwrap.dedent('''
     batch['targets'][3:, 12:] = 0
     results = []
     for devices in (jax.devices()[:1], jax.devices()):
-      mesh = sharding.create_mesh((-1,), devices=devices)
+      mesh = sharding.create_mesh((-1, 1, 1), devices=devices)
       trainer = train_lib.Trainer(config, model_config, mesh)
       state = trainer.init_state(seed=0)
       state, metrics = trainer.step(state, batch)

@@ -1,14 +1,18 @@
-"""The paper's batching: sentence pairs grouped by length into token-budget batches.
+"""Training batches planned per epoch: token-budget length buckets, or packed rows.
 
-Each batch holds pairs of similar length, padded to one of a few bucket lengths L, with
-`tokens_per_batch // L` rows, so every batch has about the same number of (padded) tokens and
-`jit` compiles one program per bucket, not one per batch.
+Token budget (the paper's batching): each batch holds pairs of similar length, padded to one of
+a few bucket lengths L, with `tokens_per_batch // L` rows, so every batch has about the same
+number of (padded) tokens and `jit` compiles one program per bucket, not one per batch.
 
-The plan for an epoch (which pairs go in which batch, and the order of batches) is a pure
-function of (seed, epoch), computed the same on every process; each process then materialises
-only its rows of each batch. So the iterator state is just a batch counter (grain's
-`{'next_index': k}`), a resumed run sees exactly the same batches, and all processes always
-feed arrays of the same shape.
+Packing: every row has one fixed length L on each side and holds several pairs one after the
+other, with segment ids (1..k within the row, 0 = padding) and positions restarting at each
+pair, so the model can keep the pairs apart. One shape for every batch, little padding.
+
+Either way the plan for an epoch (which pairs go in which batch, and the order of batches) is
+a pure function of (seed, epoch), computed the same on every process; each process then
+materialises only its rows of each batch. So the iterator state is just a batch counter
+(grain's `{'next_index': k}`), a resumed run sees exactly the same batches, and all processes
+always feed arrays of the same shape.
 """
 
 from __future__ import annotations
@@ -23,6 +27,9 @@ import numpy as np
 # Pairs are sorted by length within pools of this many batches before being cut into batches:
 # enough to find same-length neighbours, small enough that batches stay random.
 _POOL_BATCHES = 64
+# Packing fills rows first-fit from pools of this many shuffled pairs: large enough that only a
+# pool's last few rows stay part-empty, small enough that each pair scans few open rows.
+_PACKING_POOL_EXAMPLES = 4096
 
 
 def bucket_lengths(max_length: int, min_length: int = 8) -> list[int]:
@@ -36,35 +43,85 @@ def bucket_lengths(max_length: int, min_length: int = 8) -> list[int]:
   return lengths
 
 
-class TokenBudgetPlan:
-  """Which examples make up each batch of each epoch, for a token budget."""
+def rows_for_budget(tokens_per_batch: int, length: int, row_multiple: int) -> int:
+  """Rows of `length` tokens within the budget, a multiple of row_multiple (at least one
+  multiple) so that the rows split evenly over processes and devices."""
+  return max(row_multiple, tokens_per_batch // length // row_multiple * row_multiple)
+
+
+class _EpochPlan:
+  """Shared machinery of a per-epoch plan: pairs that fit, the epoch cache, counter lookup.
+
+  Subclasses define `_plan_epoch(epoch, rng)` (the epoch's batches, in training order) and
+  `local_batch(split, batch, process_index, process_count)` (this process's arrays).
+  """
 
   def __init__(self, source_lengths: np.ndarray, target_lengths: np.ndarray, *,
-               tokens_per_batch: int, max_length: int, seed: int, row_multiple: int = 1):
+               max_length: int, seed: int):
     self.source_lengths = np.asarray(source_lengths)
     self.target_lengths = np.asarray(target_lengths)
     self.lengths = np.maximum(self.source_lengths, self.target_lengths)
     self.eligible = np.flatnonzero(self.lengths <= max_length)
-    self.buckets = bucket_lengths(max_length)
-    # Rows per bucket: the token budget over the padded length, a multiple of row_multiple so
-    # the rows split evenly over processes and devices.
-    self.rows = [max(row_multiple, tokens_per_batch // length // row_multiple * row_multiple)
-                 for length in self.buckets]
+    self.num_excluded = len(self.lengths) - len(self.eligible)  # Pairs longer than max_length.
     self.seed = seed
     self._epoch_sizes: list[int] = []
     # (epoch, plan) in one field: grain reads batches from several threads.
     self._cached: tuple[int, list] | None = None
     self._lock = threading.Lock()
 
+  def epoch(self, epoch: int) -> list:
+    """The batches of one epoch, in training order (a pure function of (seed, epoch))."""
+    cached = self._cached
+    if cached is not None and cached[0] == epoch:
+      return cached[1]
+    batches = self._plan_epoch(epoch, np.random.default_rng([self.seed, epoch]))
+    self._cached = (epoch, batches)
+    return batches
+
+  def _plan_epoch(self, epoch: int, rng: np.random.Generator) -> list:
+    raise NotImplementedError
+
+  def local_batch(self, split, batch, process_index: int,
+                  process_count: int) -> dict[str, np.ndarray]:
+    raise NotImplementedError
+
+  def locate(self, index: int) -> tuple[int, int]:
+    """Global batch counter -> (epoch, batch within the epoch)."""
+    epoch = 0
+    while True:
+      with self._lock:
+        if epoch == len(self._epoch_sizes):
+          self._epoch_sizes.append(len(self.epoch(epoch)))
+      if index < self._epoch_sizes[epoch]:
+        return epoch, index
+      index -= self._epoch_sizes[epoch]
+      epoch += 1
+
+
+def _local_slice(rows: int, process_index: int, process_count: int) -> slice:
+  local_rows = rows // process_count
+  return slice(process_index * local_rows, (process_index + 1) * local_rows)
+
+
+class TokenBudgetPlan(_EpochPlan):
+  """Which examples make up each batch of each epoch, for a token budget."""
+
+  def __init__(self, source_lengths: np.ndarray, target_lengths: np.ndarray, *,
+               tokens_per_batch: int, max_length: int, seed: int, row_multiple: int = 1):
+    super().__init__(source_lengths, target_lengths, max_length=max_length, seed=seed)
+    self.buckets = bucket_lengths(max_length)
+    # Rows per bucket: the token budget over the padded length.
+    self.rows = [rows_for_budget(tokens_per_batch, length, row_multiple)
+                 for length in self.buckets]
+
   def bucket_of(self, length: int) -> int:
     return bisect.bisect_left(self.buckets, length)
 
   def epoch(self, epoch: int) -> list[tuple[int, np.ndarray]]:
     """[(bucket index, example indices)] for one epoch, in training order."""
-    cached = self._cached
-    if cached is not None and cached[0] == epoch:
-      return cached[1]
-    rng = np.random.default_rng([self.seed, epoch])
+    return super().epoch(epoch)
+
+  def _plan_epoch(self, epoch: int, rng: np.random.Generator) -> list[tuple[int, np.ndarray]]:
     order = rng.permutation(self.eligible)
     pool_size = _POOL_BATCHES * max(self.rows)
     pending: dict[int, list[int]] = {}
@@ -83,21 +140,20 @@ class TokenBudgetPlan:
     for bucket, members in sorted(pending.items()):
       if members:
         batches.append((bucket, np.asarray(members)))
-    batches = [batches[i] for i in rng.permutation(len(batches))]
-    self._cached = (epoch, batches)
-    return batches
+    return [batches[i] for i in rng.permutation(len(batches))]
 
-  def locate(self, index: int) -> tuple[int, int]:
-    """Global batch counter -> (epoch, batch within the epoch)."""
-    epoch = 0
-    while True:
-      with self._lock:
-        if epoch == len(self._epoch_sizes):
-          self._epoch_sizes.append(len(self.epoch(epoch)))
-      if index < self._epoch_sizes[epoch]:
-        return epoch, index
-      index -= self._epoch_sizes[epoch]
-      epoch += 1
+  def local_batch(self, split, batch: tuple[int, np.ndarray], process_index: int,
+                  process_count: int) -> dict[str, np.ndarray]:
+    bucket, members = batch
+    length, rows = self.buckets[bucket], self.rows[bucket]
+    local = _local_slice(rows, process_index, process_count)
+    inputs = np.zeros((rows // process_count, length), np.int32)
+    targets = np.zeros((rows // process_count, length), np.int32)
+    for row, example_index in enumerate(members[local]):
+      example = split[int(example_index)]
+      inputs[row, :len(example['inputs'])] = example['inputs']
+      targets[row, :len(example['targets'])] = example['targets']
+    return {'inputs': inputs, 'targets': targets}
 
   def padding_fraction(self, epoch: int = 0) -> float:
     """Fraction of the batches' source+target positions that are padding, over one epoch."""
@@ -108,10 +164,92 @@ class TokenBudgetPlan:
     return 1.0 - real / max(padded, 1)
 
 
+class PackedPlan(_EpochPlan):
+  """Which examples share each row, and which rows make each batch, for packed batches.
+
+  Every row is `length` tokens on each side. An epoch shuffles the pairs that fit (both sides
+  at most `length`), fills rows first-fit within pools of shuffled pairs (a pair goes to the
+  first open row with room for both of its sides, else opens a new row), shuffles the rows
+  and cuts them into batches of `rows` rows; the last batch is filled up with empty rows, so
+  every pair is seen exactly once per epoch and every batch has one shape. A batch is a list
+  of rows, each an array of example indices in their order within the row.
+  """
+
+  def __init__(self, source_lengths: np.ndarray, target_lengths: np.ndarray, *, rows: int,
+               length: int, seed: int, pool_size: int = _PACKING_POOL_EXAMPLES):
+    super().__init__(source_lengths, target_lengths, max_length=length, seed=seed)
+    if rows < 1 or length < 1 or pool_size < 1:
+      raise ValueError(f'rows={rows}, length={length}, pool_size={pool_size} must be positive')
+    self.rows, self.length, self.pool_size = rows, length, pool_size
+
+  def epoch(self, epoch: int) -> list[list[np.ndarray]]:
+    """[[example indices of each row] per batch] for one epoch, in training order."""
+    return super().epoch(epoch)
+
+  def _plan_epoch(self, epoch: int, rng: np.random.Generator) -> list[list[np.ndarray]]:
+    order = rng.permutation(self.eligible)
+    rows: list[np.ndarray] = []
+    for start in range(0, len(order), self.pool_size):
+      rows.extend(self._pack(order[start:start + self.pool_size]))
+    rows = [rows[i] for i in rng.permutation(len(rows))]
+    return [rows[start:start + self.rows] for start in range(0, len(rows), self.rows)]
+
+  def _pack(self, pool: np.ndarray) -> list[np.ndarray]:
+    """First-fit of the pool's pairs (in the pool's order) into rows of self.length."""
+    # Room left per open row on each side; a pair opens at most one row.
+    source_room = np.empty(len(pool), np.int64)
+    target_room = np.empty(len(pool), np.int64)
+    members: list[list[int]] = []
+    for index in pool.tolist():
+      source, target = self.source_lengths[index], self.target_lengths[index]
+      fits = (source_room[:len(members)] >= source) & (target_room[:len(members)] >= target)
+      row = int(fits.argmax()) if len(members) else 0
+      if not len(members) or not fits[row]:
+        row = len(members)
+        members.append([])
+        source_room[row], target_room[row] = self.length, self.length
+      members[row].append(index)
+      source_room[row] -= source
+      target_room[row] -= target
+    return [np.asarray(m, np.int64) for m in members]
+
+  def local_batch(self, split, batch: list[np.ndarray], process_index: int,
+                  process_count: int) -> dict[str, np.ndarray]:
+    """This process's rows of a batch: ids, segment ids and positions per side, [rows, L]."""
+    local_rows = self.rows // process_count
+    arrays = {f'{side}{suffix}': np.zeros((local_rows, self.length), np.int32)
+              for side in ('inputs', 'targets')
+              for suffix in ('', '_segment_ids', '_positions')}
+    for row, members in enumerate(batch[_local_slice(self.rows, process_index,
+                                                     process_count)]):
+      for side in ('inputs', 'targets'):
+        offset = 0
+        for segment, example_index in enumerate(members.tolist(), start=1):
+          ids = split[example_index][side]
+          end = offset + len(ids)
+          arrays[side][row, offset:end] = ids
+          arrays[f'{side}_segment_ids'][row, offset:end] = segment
+          arrays[f'{side}_positions'][row, offset:end] = np.arange(len(ids))
+          offset = end
+    return arrays
+
+  def padding_fraction(self, epoch: int = 0) -> float:
+    """Fraction of the batches' source+target positions that are padding, over one epoch."""
+    batches = self.epoch(epoch)
+    real = sum(int(self.source_lengths[m].sum() + self.target_lengths[m].sum())
+               for batch in batches for m in batch)
+    return 1.0 - real / max(2 * len(batches) * self.rows * self.length, 1)
+
+  def examples_per_row(self, epoch: int = 0) -> float:
+    """Mean number of pairs in a non-empty row over one epoch."""
+    rows = [m for batch in self.epoch(epoch) for m in batch]
+    return sum(len(m) for m in rows) / max(len(rows), 1)
+
+
 class _PlannedBatches:
   """Random-access batches (grain MapDataset source): this process's rows of batch k."""
 
-  def __init__(self, split, plan: TokenBudgetPlan, process_index: int, process_count: int):
+  def __init__(self, split, plan: _EpochPlan, process_index: int, process_count: int):
     self._split, self._plan = split, plan
     self._process_index, self._process_count = process_index, process_count
 
@@ -120,17 +258,15 @@ class _PlannedBatches:
 
   def __getitem__(self, index: int) -> dict[str, np.ndarray]:
     epoch, position = self._plan.locate(index)
-    bucket, members = self._plan.epoch(epoch)[position]
-    length, rows = self._plan.buckets[bucket], self._plan.rows[bucket]
-    local_rows = rows // self._process_count
-    first = self._process_index * local_rows
-    inputs = np.zeros((local_rows, length), np.int32)
-    targets = np.zeros((local_rows, length), np.int32)
-    for row, example_index in enumerate(members[first:first + local_rows]):
-      example = self._split[int(example_index)]
-      inputs[row, :len(example['inputs'])] = example['inputs']
-      targets[row, :len(example['targets'])] = example['targets']
-    return {'inputs': inputs, 'targets': targets}
+    return self._plan.local_batch(self._split, self._plan.epoch(epoch)[position],
+                                  self._process_index, self._process_count)
+
+
+def _planned_iterator(split, plan: _EpochPlan, process_index: int, process_count: int,
+                      num_threads: int) -> grain.DatasetIterator:
+  dataset = grain.MapDataset.source(_PlannedBatches(split, plan, process_index, process_count))
+  return iter(dataset.to_iter_dataset(
+      grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=8)))
 
 
 def make_token_budget_iterator(split, *, tokens_per_batch: int, max_length: int, seed: int,
@@ -146,7 +282,42 @@ def make_token_budget_iterator(split, *, tokens_per_batch: int, max_length: int,
   plan = TokenBudgetPlan(source_lengths, target_lengths, tokens_per_batch=tokens_per_batch,
                          max_length=max_length, seed=seed,
                          row_multiple=process_count * devices_per_process)
-  dataset = grain.MapDataset.source(_PlannedBatches(split, plan, process_index, process_count))
-  iterator = iter(dataset.to_iter_dataset(
-      grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=8)))
-  return iterator, plan
+  return _planned_iterator(split, plan, process_index, process_count, num_threads), plan
+
+
+def make_packed_iterator(split, *, length: int, seed: int, rows_per_batch: int | None = None,
+                         tokens_per_batch: int | None = None, process_index: int = 0,
+                         process_count: int = 1, devices_per_process: int = 1,
+                         num_threads: int = 2,
+                         pool_size: int = _PACKING_POOL_EXAMPLES) -> tuple[
+                             grain.DatasetIterator, PackedPlan]:
+  """Endless packed batches of `split` (a TokenizedSplit) and the plan behind them.
+
+  Every batch is {'inputs', 'targets', 'inputs_segment_ids', 'targets_segment_ids',
+  'inputs_positions', 'targets_positions'}, int32 [this process's rows, length]. Give the
+  global batch either as `rows_per_batch` or as `tokens_per_batch` (tokens per side; rows =
+  tokens // length, rounded down to a multiple of process_count * devices_per_process). Pairs
+  longer than `length` on either side are left out (`plan.num_excluded`).
+  """
+  if (rows_per_batch is None) == (tokens_per_batch is None):
+    raise ValueError('give exactly one of rows_per_batch and tokens_per_batch')
+  row_multiple = process_count * devices_per_process
+  if rows_per_batch is None:
+    rows_per_batch = rows_for_budget(tokens_per_batch, length, row_multiple)
+  elif rows_per_batch < 1 or rows_per_batch % row_multiple:
+    raise ValueError(f'rows_per_batch={rows_per_batch} must be a positive multiple of '
+                     f'process_count * devices_per_process = {row_multiple}')
+  source_lengths, target_lengths = split.lengths()
+  plan = PackedPlan(source_lengths, target_lengths, rows=rows_per_batch, length=length,
+                    seed=seed, pool_size=pool_size)
+  return _planned_iterator(split, plan, process_index, process_count, num_threads), plan
+
+
+def packing_model_args(batch: dict) -> dict:
+  """Transformer keyword arguments for a packed batch (segment ids, positions); {} otherwise."""
+  if 'inputs_segment_ids' not in batch:
+    return {}
+  return {'src_segment_ids': batch['inputs_segment_ids'],
+          'tgt_segment_ids': batch['targets_segment_ids'],
+          'src_positions': batch.get('inputs_positions'),
+          'tgt_positions': batch.get('targets_positions')}

@@ -30,10 +30,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 import uuid
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
@@ -42,6 +44,45 @@ from transformer_jax.config import UserInputError
 
 _STATE = 'state'
 _DATA = 'data'
+# Key in the 'data' JSON under which save() records a checksum of every state leaf. orbax's
+# compressed chunks do not detect every damaged byte (a flipped byte restored silently with
+# wrong values in a test with 0.12.8), so restore() verifies these.
+_CHECKSUMS = '_checksums'
+
+
+class CorruptCheckpointError(RuntimeError):
+  """A checkpoint that exists but cannot be read back intact."""
+
+
+def _path_name(path) -> str:
+  return '/'.join(str(getattr(k, 'key', getattr(k, 'name', getattr(k, 'idx', k))))
+                  for k in path)
+
+
+@jax.jit
+def _leaf_checksums(tree):
+  """Two uint32 sums of each leaf's bit patterns: plain and position-weighted (catches swaps)."""
+
+  def checksum(x):
+    x = jnp.asarray(x)
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+      x = jax.random.key_data(x)
+    if x.dtype == jnp.bool_:
+      x = x.astype(jnp.uint8)
+    unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize]
+    bits = jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32).reshape(-1)
+    weights = (jnp.arange(bits.size, dtype=jnp.uint32) % 65521) + 1
+    return jnp.stack([jnp.sum(bits, dtype=jnp.uint32), jnp.sum(bits * weights,
+                                                                dtype=jnp.uint32)])
+
+  return jax.tree_util.tree_map(checksum, tree)
+
+
+def checksums(tree) -> dict[str, list[int]]:
+  """{leaf path: [sum, weighted sum]} of a pytree's arrays (JSON-able)."""
+  sums = jax.device_get(_leaf_checksums(tree))
+  return {_path_name(path): [int(v) for v in value]
+          for path, value in jax.tree_util.tree_flatten_with_path(sums)[0]}
 # Layout of a params-only checkpoint (save_params / restore_params_from).
 _PARAMS_ITEM = 'params'
 _METADATA_FILE = 'metadata.json'
@@ -83,9 +124,11 @@ class Checkpointer:
     `force` saves even if the manager's save policy would skip this step.
     Returns whether a save was started.
     """
+    data = dict(data_state or {})
+    data[_CHECKSUMS] = checksums(state)
     args = ocp.args.Composite(**{
         _STATE: ocp.args.StandardSave(state),
-        _DATA: ocp.args.JsonSave(dict(data_state or {})),
+        _DATA: ocp.args.JsonSave(data),
     })
     return bool(self._manager.save(int(step), args=args, force=force))
 
@@ -118,12 +161,62 @@ class Checkpointer:
     for the returned state.
     """
     step = self._resolve_step(step)
-    restored = self._manager.restore(step, args=ocp.args.Composite(**{
-        _STATE: ocp.args.StandardRestore(abstract_state),
-        _DATA: ocp.args.JsonRestore(),
-    }))
+    try:
+      restored = self._manager.restore(step, args=ocp.args.Composite(**{
+          _STATE: ocp.args.StandardRestore(abstract_state),
+          _DATA: ocp.args.JsonRestore(),
+      }))
+    except Exception as error:  # orbax/tensorstore raise many types; all mean "unreadable".
+      raise self._corrupt(step, error) from None
     # JsonRestore returns None if the item was never written; normalise.
-    return restored[_STATE], dict(restored[_DATA] or {})
+    data = dict(restored[_DATA] or {})
+    self._verify(step, restored[_STATE], data.pop(_CHECKSUMS, None))
+    return restored[_STATE], data
+
+  def restore_latest_valid(self, abstract_state: Any,
+                           on_error=None) -> tuple[Any, dict, int] | None:
+    """(state, data_state, step) of the newest checkpoint that reads back intact, or None.
+
+    Damaged checkpoints are moved aside (newest first, see `quarantine`) and
+    `on_error(CorruptCheckpointError)` is told about each, so training falls back to the
+    previous good checkpoint, and later saves of those steps are not blocked by the wreck.
+    """
+    for step in reversed(self.all_steps()):
+      try:
+        state, data = self.restore(abstract_state, step)
+        return state, data, step
+      except CorruptCheckpointError as error:
+        moved_to = self.quarantine(step)
+        if on_error:
+          on_error(CorruptCheckpointError(f'{error}; moved to {moved_to}'))
+    return None
+
+  def quarantine(self, step: int) -> str:
+    """Moves a damaged step out of the checkpoint directory, keeping it for inspection."""
+    self._manager.wait_until_finished()
+    destination = os.path.join(os.path.dirname(self.directory), 'damaged_checkpoints',
+                               f'{step}-{time.strftime("%Y%m%d-%H%M%S")}-{uuid.uuid4().hex[:6]}')
+    os.makedirs(os.path.dirname(destination), exist_ok=True)
+    if jax.process_index() == 0:
+      shutil.move(os.path.join(self.directory, str(step)), destination)
+    self._manager.reload()  # orbax caches the list of steps.
+    return destination
+
+  def _corrupt(self, step: int, error: Exception) -> CorruptCheckpointError:
+    first_line = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+    return CorruptCheckpointError(
+        f'checkpoint step {step} at {os.path.join(self.directory, str(step))} is damaged or '
+        f'incomplete ({type(error).__name__}: {first_line})')
+
+  def _verify(self, step: int, tree: Any, expected: dict | None, prefix: str = '') -> None:
+    if expected is None:
+      return  # Written before checksums existed (or by another tool): nothing to compare.
+    for name, value in checksums(tree).items():
+      name = prefix + name
+      if name in expected and expected[name] != value:
+        raise CorruptCheckpointError(
+            f'checkpoint step {step} at {os.path.join(self.directory, str(step))} is damaged: '
+            f'{name} does not match the checksum written with it')
 
   def restore_params(self, abstract_params: Any,
                      step: int | None = None) -> Any:
@@ -140,9 +233,18 @@ class Checkpointer:
     item_dir = self._state_dir(step)
     target = {'params': abstract_params}
     restore_args = ocp.checkpoint_utils.construct_restore_args(target)
-    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as reader:
-      restored = reader.restore(item_dir, args=ocp.args.PyTreeRestore(
-          item=target, restore_args=restore_args, partial_restore=True))
+    try:
+      with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as reader:
+        restored = reader.restore(item_dir, args=ocp.args.PyTreeRestore(
+            item=target, restore_args=restore_args, partial_restore=True))
+      data_file = os.path.join(self.directory, str(step), _DATA, 'metadata')
+      expected = None
+      if os.path.exists(data_file):
+        with open(data_file) as f:
+          expected = json.load(f).get(_CHECKSUMS)
+    except Exception as error:  # orbax/tensorstore raise many types; all mean "unreadable".
+      raise self._corrupt(step, error) from None
+    self._verify(step, restored['params'], expected, prefix='params/')
     return restored['params']
 
   def restore_params_to_host(self, step: int | None = None) -> Any:
@@ -287,7 +389,13 @@ def save_params(directory: str, params: Any, metadata: dict | None = None) -> st
     else:
       os.rename(staging, directory)
   except BaseException:
-    shutil.rmtree(staging, ignore_errors=True)
+    # orbax may still be creating files in the staging folder from a background thread when
+    # the error reaches us (seen under load), so remove it until it stays removed.
+    for _ in range(20):
+      shutil.rmtree(staging, ignore_errors=True)
+      if not os.path.exists(staging):
+        break
+      time.sleep(0.1)
     raise
   try:  # make the rename itself durable (best effort; POSIX only)
     fd = os.open(parent, os.O_RDONLY)

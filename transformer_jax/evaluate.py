@@ -16,6 +16,7 @@ import time
 import sacrebleu
 from absl import app, flags
 
+from transformer_jax.checkpointing import CorruptCheckpointError
 from transformer_jax.config import UserInputError
 from transformer_jax.metric_writers import quiet_library_logs
 from transformer_jax.translate import Translator, checkpoint_flag_value
@@ -90,7 +91,7 @@ def main(argv):
     translator = Translator.from_checkpoint(FLAGS.workdir, checkpoint, FLAGS.batch_size)
     hypotheses, result = evaluate(translator, sources, references, beam_size=FLAGS.beam_size,
                                   alpha=FLAGS.alpha)
-  except (FileNotFoundError, UserInputError) as error:
+  except (FileNotFoundError, UserInputError, CorruptCheckpointError) as error:
     print(f'error: {error}', file=sys.stderr)
     sys.exit(2)
   out = FLAGS.out or os.path.join(

@@ -91,6 +91,24 @@ def causal_padding_mask(target_ids: jax.Array) -> jax.Array:
   return padding_mask(target_ids, target_ids) & causal[None, None]
 
 
+def segment_mask(query_segment_ids: jax.Array, key_segment_ids: jax.Array) -> jax.Array:
+  """Packed rows: True where query and key belong to the same example. [b, 1, q, k].
+
+  Segment ids number the examples of a row 1..k; 0 marks padding, which attends to nothing and
+  is attended by nothing (a fully masked query row gets a uniform softmax, ignored downstream).
+  """
+  same = query_segment_ids[:, :, None] == key_segment_ids[:, None, :]
+  return (same & (key_segment_ids != PAD_ID)[:, None, :])[:, None]
+
+
+def segment_positions(segment_ids: jax.Array) -> jax.Array:
+  """Positions that restart at 0 where each segment starts: [1,1,1,2,2,0] -> [0,1,2,0,1,0]."""
+  index = jnp.broadcast_to(jnp.arange(segment_ids.shape[1]), segment_ids.shape)
+  previous = jnp.pad(segment_ids[:, :-1], [(0, 0), (1, 0)], constant_values=-1)
+  starts = jnp.where(segment_ids != previous, index, 0)
+  return index - jax.lax.cummax(starts, axis=1)
+
+
 def dot_product_attention_weights(query, key, mask, dtype=jnp.float32):
   """softmax(Q K^T / sqrt(d_k)) with masked entries at ~zero weight. -> [b, h, q, k] float32."""
   depth = query.shape[-1]
@@ -307,6 +325,10 @@ class Transformer(nn.Module):
 
   src_ids [b, s] and tgt_in_ids [b, t] are int token ids with padding id 0; tgt_in_ids is the
   target shifted right (starting with BOS). Logits are float32 [b, t, vocab_size].
+
+  Packed rows (several examples per row) also pass src_segment_ids / tgt_segment_ids (example
+  number 1..k within the row, 0 = padding) and optionally per-example positions: attention
+  then never crosses an example boundary and positional encodings restart per example.
   """
 
   config: TransformerConfig
@@ -337,25 +359,45 @@ class Transformer(nn.Module):
       self.encoder_norm = _layer_norm(cfg, 'encoder_norm')
       self.decoder_norm = _layer_norm(cfg, 'decoder_norm')
 
-  def encode(self, src_ids, *, deterministic: bool = True):
-    """Source ids [b, s] -> encoder output [b, s, m]."""
+  def encode(self, src_ids, *, deterministic: bool = True, segment_ids=None, positions=None):
+    """Source ids [b, s] -> encoder output [b, s, m].
+
+    Packed rows pass `segment_ids` [b, s] (example number 1..k within the row, 0 = padding):
+    attention then stays within each example. `positions` [b, s] default to 0..s-1, or, with
+    segment ids, to positions restarting at each example.
+    """
     self._check_length(src_ids, 'source')
-    positions = jnp.broadcast_to(jnp.arange(src_ids.shape[1]), src_ids.shape)
+    if positions is None:
+      positions = (jnp.broadcast_to(jnp.arange(src_ids.shape[1]), src_ids.shape)
+                   if segment_ids is None else segment_positions(segment_ids))
     x = self.source_embedder(src_ids, positions, deterministic)
-    x, _ = self.encoder_layers(x, padding_mask(src_ids, src_ids), deterministic)
+    mask = padding_mask(src_ids, src_ids)
+    if segment_ids is not None:
+      mask = mask & segment_mask(segment_ids, segment_ids)
+    x, _ = self.encoder_layers(x, mask, deterministic)
     if self.config.pre_norm:
       x = self.encoder_norm(x)
     return x
 
   def decode(self, encoded, src_ids, tgt_in_ids, *, deterministic: bool = True,
-             use_cache: bool = False):
+             use_cache: bool = False, src_segment_ids=None, tgt_segment_ids=None,
+             tgt_positions=None):
     """Decoder: (encoder output [b, s, m], source ids, target inputs [b, t]) -> logits [b, t, v].
 
     With use_cache=True the first call creates the cache (its target length is the longest
     decodable length) and later calls take one token [b, 1] each and advance the cache by one.
+
+    Packed rows pass both `src_segment_ids` and `tgt_segment_ids` (see `encode`): target
+    position i then attends only to earlier positions of its own example and to its own
+    example's source. `tgt_positions` default as in `encode`. Cached decoding is not packed.
     """
     cfg = self.config
+    packed = _check_segments(src_segment_ids, tgt_segment_ids)
+    if packed and use_cache:
+      raise ValueError('cached decoding does not take segment ids')
     cross_mask = padding_mask(tgt_in_ids, src_ids)
+    if packed:
+      cross_mask = cross_mask & segment_mask(tgt_segment_ids, src_segment_ids)
     if use_cache:
       decode_position = self.decode_position()
       if decode_position is not None:
@@ -367,8 +409,13 @@ class Transformer(nn.Module):
     else:
       self._check_length(tgt_in_ids, 'target')
       decode_position = None
-      positions = jnp.broadcast_to(jnp.arange(tgt_in_ids.shape[1]), tgt_in_ids.shape)
+      positions = tgt_positions
+      if positions is None:
+        positions = (jnp.broadcast_to(jnp.arange(tgt_in_ids.shape[1]), tgt_in_ids.shape)
+                     if not packed else segment_positions(tgt_segment_ids))
       self_mask = causal_padding_mask(tgt_in_ids)
+      if packed:
+        self_mask = self_mask & segment_mask(tgt_segment_ids, tgt_segment_ids)
     x = self.target_embedder(tgt_in_ids, positions, deterministic)
     x, _ = self.decoder_layers(x, encoded, self_mask, cross_mask, decode_position,
                                deterministic, use_cache)
@@ -380,14 +427,29 @@ class Transformer(nn.Module):
       logits = self.output_projection(x)
     return logits.astype(jnp.float32)
 
-  def __call__(self, src_ids, tgt_in_ids, *, deterministic: bool = True):
-    encoded = self.encode(src_ids, deterministic=deterministic)
-    return self.decode(encoded, src_ids, tgt_in_ids, deterministic=deterministic)
+  def __call__(self, src_ids, tgt_in_ids, *, deterministic: bool = True, src_segment_ids=None,
+               tgt_segment_ids=None, src_positions=None, tgt_positions=None):
+    """Logits [b, t, v]. Packed rows (several examples per row) pass segment ids for both
+    sides (and optionally per-example positions); see `encode` and `decode`."""
+    _check_segments(src_segment_ids, tgt_segment_ids)
+    encoded = self.encode(src_ids, deterministic=deterministic, segment_ids=src_segment_ids,
+                          positions=src_positions)
+    return self.decode(encoded, src_ids, tgt_in_ids, deterministic=deterministic,
+                       src_segment_ids=src_segment_ids, tgt_segment_ids=tgt_segment_ids,
+                       tgt_positions=tgt_positions)
 
   def _check_length(self, ids, what):
     if ids.shape[1] > self.config.max_len:
       raise ValueError(f'{what} length {ids.shape[1]} exceeds TransformerConfig.max_len='
                        f'{self.config.max_len}')
+
+
+def _check_segments(src_segment_ids, tgt_segment_ids) -> bool:
+  """Whether the call is packed; segment ids come for both sides or for neither."""
+  if (src_segment_ids is None) != (tgt_segment_ids is None):
+    raise ValueError('packed rows need segment ids for both source and target, got only '
+                     + ('source' if tgt_segment_ids is None else 'target'))
+  return src_segment_ids is not None
 
 
 def count_params(params) -> int:

@@ -1,8 +1,10 @@
 """Training: a pure `train_step(state, batch, ...) -> (state, metrics)` and the loop around it.
 
-The step is one `jax.jit` program over a device mesh: the batch is split over the 'data' axis,
-parameters are placed by the logical-axis rules (replicated by default), and XLA inserts the
-gradient all-reduce. State buffers are donated so an update does not need twice the memory.
+The step is one `jax.jit` program over a device mesh with axes ('data', 'fsdp', 'tensor'): the
+batch is split over 'data' and 'fsdp', parameters and optimiser state are placed by the
+logical-axis rules in the config (FSDP over 'fsdp', heads/FFN over 'tensor'; with both of size 1
+this is plain data parallelism), and XLA inserts the collectives. State buffers are donated so
+an update does not need twice the memory.
 """
 
 from __future__ import annotations
@@ -20,11 +22,12 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
+from absl import logging
 from flax import struct
 from flax.training import train_state
 
 from transformer_jax import batching, input_pipeline, inference, sharding
-from transformer_jax.checkpointing import Checkpointer
+from transformer_jax.checkpointing import Checkpointer, CorruptCheckpointError
 from transformer_jax.config import TransformerConfig, UserInputError
 from transformer_jax.decode import strip_after_eos
 from transformer_jax.losses import label_smoothed_cross_entropy
@@ -55,10 +58,20 @@ def model_config_from(config: ml_collections.ConfigDict, vocab_size: int) -> Tra
   return TransformerConfig.from_dict({'vocab_size': vocab_size, **config.model.to_dict()})
 
 
-def shift_right(targets: jax.Array) -> jax.Array:
-  """Decoder inputs: [BOS, y_1, ..., y_{t-1}] from targets [y_1, ..., y_t]. [b, t] -> [b, t]."""
+def shift_right(targets: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+  """Decoder inputs: [BOS, y_1, ..., y_{t-1}] from targets [y_1, ..., y_t]. [b, t] -> [b, t].
+
+  With `segment_ids` (packed rows: example 1..k of the row, 0 = padding) each example is
+  shifted on its own: its first position gets BOS, not the previous example's EOS, and
+  padding positions get PAD.
+  """
   bos = jnp.full_like(targets[:, :1], BOS_ID)
-  return jnp.concatenate([bos, targets[:, :-1]], axis=1)
+  shifted = jnp.concatenate([bos, targets[:, :-1]], axis=1)
+  if segment_ids is None:
+    return shifted
+  previous = jnp.pad(segment_ids[:, :-1], [(0, 0), (1, 0)], constant_values=-1)
+  shifted = jnp.where(segment_ids != previous, BOS_ID, shifted)
+  return jnp.where(segment_ids == 0, PAD_ID, shifted).astype(targets.dtype)
 
 
 def compute_metrics(logits, targets, weights, label_smoothing):
@@ -69,14 +82,21 @@ def compute_metrics(logits, targets, weights, label_smoothing):
 
 def train_step(state: TrainState, batch: dict, *, model: Transformer, learning_rate_fn,
                label_smoothing: float) -> tuple[TrainState, dict]:
-  """One optimiser step on a batch {'inputs': [b, s], 'targets': [b, t]} (int32, 0 = pad)."""
+  """One optimiser step on a batch {'inputs': [b, s], 'targets': [b, t]} (int32, 0 = pad).
+
+  A packed batch also has 'inputs_segment_ids', 'targets_segment_ids', 'inputs_positions' and
+  'targets_positions' (see batching.make_packed_iterator); the model then keeps its examples
+  apart and the decoder inputs are shifted per example.
+  """
   inputs, targets = batch['inputs'], batch['targets']
   weights = (targets != PAD_ID).astype(jnp.float32)
   dropout_rng = jax.random.fold_in(state.dropout_rng, state.step)
+  packing = batching.packing_model_args(batch)
+  decoder_inputs = shift_right(targets, packing.get('tgt_segment_ids'))
 
   def loss_fn(params):
-    logits = model.apply({'params': params}, inputs, shift_right(targets), deterministic=False,
-                         rngs={'dropout': dropout_rng})
+    logits = model.apply({'params': params}, inputs, decoder_inputs, deterministic=False,
+                         rngs={'dropout': dropout_rng}, **packing)
     metrics = compute_metrics(logits, targets, weights, label_smoothing)
     # Mean over the real tokens of the whole (global) batch.
     return metrics['loss_sum'] / jnp.maximum(metrics['token_count'], 1.0), metrics
@@ -102,7 +122,9 @@ def train_step(state: TrainState, batch: dict, *, model: Transformer, learning_r
 def eval_step(params, batch: dict, *, model: Transformer, label_smoothing: float) -> dict:
   targets = batch['targets']
   weights = (targets != PAD_ID).astype(jnp.float32)
-  logits = model.apply({'params': params}, batch['inputs'], shift_right(targets))
+  packing = batching.packing_model_args(batch)
+  logits = model.apply({'params': params}, batch['inputs'],
+                       shift_right(targets, packing.get('tgt_segment_ids')), **packing)
   return compute_metrics(logits, targets, weights, label_smoothing)
 
 
@@ -114,15 +136,26 @@ class Trainer:
     self.config = config
     self.model_config = model_config
     self.model = Transformer(model_config)
-    self.mesh = mesh or sharding.create_mesh(config.mesh_shape)
-    self.rules = [tuple(rule) for rule in config.logical_axis_rules]
+    if mesh is None:
+      try:
+        mesh = sharding.create_mesh(tuple(config.mesh_shape))
+      except ValueError as error:
+        raise UserInputError(f'config.mesh_shape: {error}') from None
+    self.mesh = mesh
+    try:
+      self.rules = sharding.normalize_rules(config.logical_axis_rules)
+    except ValueError as error:
+      raise UserInputError(f'config.logical_axis_rules: {error}') from None
     self.optimizer, self.learning_rate_fn = make_optimizer(
         d_model=model_config.d_model, warmup_steps=config.warmup_steps,
         learning_rate_scale=config.learning_rate_scale, b1=config.adam_b1, b2=config.adam_b2,
         eps=config.adam_eps, grad_clip_norm=config.grad_clip_norm)
     self.batch_sharding = sharding.batch_sharding(self.mesh)
     abstract = jax.eval_shape(self._init_state, jax.random.PRNGKey(0))
-    self.state_shardings = sharding.logical_shardings(abstract, self.mesh, self.rules)
+    try:
+      self.state_shardings = sharding.logical_shardings(abstract, self.mesh, self.rules)
+    except ValueError as error:  # E.g. a rule naming a mesh axis the mesh lacks.
+      raise UserInputError(f'config.logical_axis_rules: {error}') from None
     self.abstract_state = jax.tree_util.tree_map(
         lambda leaf, s: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=s),
         nn.meta.unbox(abstract), self.state_shardings)
@@ -158,11 +191,20 @@ class Trainer:
   def init_state(self, seed: int) -> TrainState:
     """Parameters and optimiser state created directly in their shardings."""
     state, _ = sharding.sharded_init(self._init_state, self.mesh, self.rules,
-                                     jax.random.PRNGKey(seed))
+                                     jax.random.PRNGKey(seed), shardings=self.state_shardings)
     return state
 
   def global_batch(self, local_batch: dict) -> dict:
-    """This process's rows -> global arrays split over the mesh's 'data' axis."""
+    """This process's rows -> global arrays, rows split jointly over ('data', 'fsdp').
+
+    Devices that differ only in their 'tensor' coordinate hold the same rows.
+    """
+    # Batch shards this process feeds (at least 1: a shard may span processes).
+    local_shards = max(1, sharding.data_parallel_size(self.mesh) // jax.process_count())
+    for key, value in local_batch.items():
+      if np.shape(value)[0] % local_shards:
+        raise ValueError(f'batch {key!r} has {np.shape(value)[0]} rows, not divisible by the '
+                         f'{local_shards} data-parallel shards of mesh {dict(self.mesh.shape)}')
     return {key: jax.make_array_from_process_local_data(self.batch_sharding, value)
             for key, value in local_batch.items()}
 
@@ -264,7 +306,8 @@ def _validate(config: ml_collections.ConfigDict) -> None:
 
 
 def _make_train_iterator(config: ml_collections.ConfigDict, split):
-  """The training batches: fixed-size (sentences x max length) or token-budget buckets."""
+  """The training batches: fixed-size (sentences x max length), token-budget buckets or
+  packed rows."""
   if config.batching == 'fixed':
     return input_pipeline.make_train_iterator(
         split, config, batch_size=config.per_device_batch_size * jax.local_device_count(),
@@ -281,7 +324,19 @@ def _make_train_iterator(config: ml_collections.ConfigDict, split):
         f'{plan.padding_fraction(0):.1%}, '
         f'{len(plan.eligible):,} of {len(split):,} pairs fit the maximum length')
     return iterator
-  raise UserInputError(f"config.batching must be 'fixed' or 'tokens', got {config.batching!r}")
+  if config.batching == 'packed':
+    length = max(config.max_source_length, config.max_target_length)
+    iterator, plan = batching.make_packed_iterator(
+        split, tokens_per_batch=config.tokens_per_batch, length=length, seed=config.seed,
+        process_index=jax.process_index(), process_count=jax.process_count(),
+        devices_per_process=jax.local_device_count())
+    log(f'packed batches: {plan.rows} rows of {length} tokens, {len(plan.epoch(0))} batches '
+        f'per epoch, {plan.examples_per_row(0):.2f} pairs per row, padding '
+        f'{plan.padding_fraction(0):.1%}, '
+        f'{len(plan.eligible):,} of {len(split):,} pairs fit the maximum length')
+    return iterator
+  raise UserInputError("config.batching must be 'fixed', 'tokens' or 'packed', got "
+                       f'{config.batching!r}')
 
 
 class _PreemptionFlag:
@@ -343,12 +398,21 @@ def _train_and_evaluate(config, workdir, preemption: _PreemptionFlag) -> dict[st
 
   checkpointer = Checkpointer(os.path.join(workdir, CHECKPOINT_DIR),
                               keep=config.keep_checkpoints)
-  latest = checkpointer.latest_step()
-  if latest is None:
+  damaged = []
+  restored = checkpointer.restore_latest_valid(
+      trainer.abstract_state,
+      on_error=lambda error: (damaged.append(error), logging.warning(
+          '%s; falling back to the previous checkpoint', error)))
+  if restored is None and damaged:
+    checkpointer.close()
+    raise CorruptCheckpointError(
+        f'every checkpoint in {checkpointer.directory} was damaged and has been moved aside '
+        f'(newest: {damaged[0]}); rerun to start from scratch, or repair them by hand')
+  if restored is None:
     state = trainer.init_state(config.seed)
     start_step = 0
   else:
-    state, data_state = checkpointer.restore(trainer.abstract_state, latest)
+    state, data_state, _ = restored
     train_iterator.set_state(data_state['train_iterator'])
     start_step = int(state.step)
     log(f'resumed from {checkpointer.directory} at step {start_step}')

@@ -21,7 +21,8 @@ from absl import app, flags, logging
 
 from transformer_jax import inference
 from transformer_jax.average import averaged_dir
-from transformer_jax.checkpointing import (Checkpointer, is_params_checkpoint, read_metadata,
+from transformer_jax.checkpointing import (Checkpointer, CorruptCheckpointError,
+                                           is_params_checkpoint, read_metadata,
                                            restore_params_from)
 from transformer_jax.config import TransformerConfig, UserInputError
 from transformer_jax.decode import strip_after_eos
@@ -193,7 +194,7 @@ def main(argv):
   try:
     translator = Translator.from_checkpoint(
         FLAGS.workdir, checkpoint_flag_value(FLAGS.checkpoint), FLAGS.batch_size)
-  except (FileNotFoundError, UserInputError) as error:
+  except (FileNotFoundError, UserInputError, CorruptCheckpointError) as error:
     print(f'error: {error}', file=sys.stderr)
     sys.exit(2)
   # Bytes that are not UTF-8 become U+FFFD instead of ending the run.

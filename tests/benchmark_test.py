@@ -1,0 +1,162 @@
+"""The benchmark: its FLOP formula by hand, its sizes, and the CLI end to end (no timings asserted)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import REPO_ROOT
+from transformer_jax import benchmark
+from transformer_jax.config import TransformerConfig, UserInputError
+from transformer_jax.models import Transformer, count_params
+
+
+def _abstract_params(cfg: TransformerConfig):
+  dummy = jnp.ones((1, 1), jnp.int32)
+  variables = jax.eval_shape(lambda: Transformer(cfg).init(jax.random.PRNGKey(0), dummy, dummy))
+  return nn.meta.unbox(variables['params'])
+
+
+def test_training_flops_equal_a_hand_computation():
+  cfg = TransformerConfig(vocab_size=10, d_model=4, d_ff=8, num_heads=2, num_encoder_layers=1,
+                          num_decoder_layers=2)
+  # Per attention: query, key, value, out = 4 x 4 each = 64; FFN: 2 x 4 x 8 = 64.
+  # Encoder: 1 x (64 + 64) = 128. Decoder: 2 x (2 x 64 + 64) = 384. Output: 4 x 10 = 40.
+  assert benchmark.matmul_params(cfg) == {'encoder': 128, 'decoder': 384, 'output': 40}
+  # Two rows: sources of 3 and 5 tokens (S = 8), targets of 2 and 4 (T = 6).
+  flops = benchmark.training_flops(cfg, [3, 5], [2, 4])
+  # Dense: 6 x (128 x 8 + (384 + 40) x 6) = 6 x 3568.
+  assert flops['dense'] == 21408
+  # Attention: 6 x h (d_k + d_v) = 6 x 2 x (2 + 2) = 48 per (query, key) pair and layer:
+  # encoder 1 x (3^2 + 5^2) = 34, decoder 2 x ((2^2 + 4^2) + (2 x 3 + 4 x 5)) = 92.
+  assert flops['attention'] == 48 * (34 + 92) == 6048
+  assert flops['total'] == 21408 + 6048
+
+
+def test_attention_flops_match_the_issue_statement_on_padded_batches():
+  """6 x 2 x (layers x len^2 x d_model x batch) per attention when h x d_k = d_model."""
+  cfg = TransformerConfig(vocab_size=256, d_model=128, d_ff=512, num_heads=4,
+                          num_encoder_layers=3, num_decoder_layers=3)
+  rows, s, t, d = 64, 24, 16, 128
+  flops = benchmark.training_flops(cfg, [s] * rows, [t] * rows)
+  expected = 6 * 2 * (3 * s * s * d * rows + 3 * t * t * d * rows + 3 * t * s * d * rows)
+  assert flops['attention'] == expected
+
+
+@pytest.mark.parametrize('pre_norm,share_embeddings', [(False, True), (True, False)])
+def test_matmul_params_are_the_model_kernels(pre_norm, share_embeddings):
+  """Every parameter is a matmul weight counted by the formula, except biases, LayerNorms and
+  the input embeddings (the shared embedding counts once, as the output projection)."""
+  cfg = TransformerConfig(vocab_size=50, d_model=16, d_ff=24, num_heads=2, qk_dim=4, v_dim=6,
+                          num_encoder_layers=2, num_decoder_layers=3, pre_norm=pre_norm,
+                          share_embeddings=share_embeddings)
+  params = _abstract_params(cfg)
+  flat = jax.tree_util.tree_flatten_with_path(params)[0]
+  kernels = sum(int(np.prod(leaf.shape)) for path, leaf in flat
+                if getattr(path[-1], 'key', None) == 'kernel')
+  if share_embeddings:
+    kernels += int(np.prod(params['shared_embedding']['embedding'].shape))
+  assert sum(benchmark.matmul_params(cfg).values()) == kernels
+
+
+def test_sizes_are_the_documented_models():
+  from configs import default
+  config = default.get_config()
+  tiny = benchmark.size_spec('tiny', config, dtype='float32')
+  assert (tiny.model_config.d_model, tiny.model_config.vocab_size) == (128, 256)
+  assert (tiny.rows_per_device, tiny.source_length, tiny.target_length) == (64, 24, 16)
+  small = benchmark.size_spec('small', config, dtype='bfloat16')
+  assert (small.model_config.d_model, small.model_config.d_ff, small.model_config.num_heads,
+          small.model_config.num_encoder_layers, small.model_config.vocab_size,
+          small.model_config.dtype) == (256, 1024, 4, 3, 8000, 'bfloat16')
+  assert 1900 <= small.target_tokens_per_device <= 2100
+  base = benchmark.size_spec('base', config, dtype='float32', dropout=0.0)
+  assert base.model_config.replace(dropout_rate=0.1) == TransformerConfig.base(37000)
+  assert 3900 <= base.target_tokens_per_device <= 4200
+  assert 60e6 < count_params(_abstract_params(base.model_config)) < 66e6  # The paper: ~65M.
+  with pytest.raises(UserInputError):
+    benchmark.run(config, benchmark.Options(sizes=['huge']))
+
+
+@pytest.mark.parametrize('pre_norm,share_embeddings', [(False, True), (True, False)])
+def test_eos_suppression_finds_its_parameters(pre_norm, share_embeddings):
+  """The edit makes feature 0 of the decoder output the constant 1 and gives EOS a -30 weight
+  on it (the CLI test checks that decoding then runs to full length)."""
+  cfg = TransformerConfig(vocab_size=40, d_model=16, d_ff=32, num_heads=2, num_encoder_layers=1,
+                          num_decoder_layers=2, pre_norm=pre_norm,
+                          share_embeddings=share_embeddings)
+  params = jax.tree_util.tree_map(lambda x: np.ones(x.shape, x.dtype), _abstract_params(cfg))
+  edited, suppressed = benchmark.suppress_eos(params, cfg)
+  assert suppressed
+  norm = (edited['decoder_norm'] if pre_norm
+          else jax.tree_util.tree_map(lambda x: x[-1], edited['decoder_layers']['ffn_block']['norm']))
+  assert (norm['scale'][0], norm['bias'][0]) == (0.0, 1.0)
+  output = (edited['shared_embedding']['embedding'] if share_embeddings
+            else edited['output_projection']['kernel'].T)
+  assert output[1, 0] == -30.0
+  assert np.sum(output == -30.0) == 1
+  assert params is not edited and np.all(jax.tree_util.tree_leaves(params)[0] == 1)
+
+
+def test_cli_writes_a_complete_report(tmp_path):
+  out = tmp_path / 'bench.json'
+  env = dict(os.environ, JAX_PLATFORMS='cpu',
+             # Compilation dominates this run; optimising the programs would only slow it down.
+             JAX_DISABLE_MOST_OPTIMIZATIONS='1')
+  command = [
+      sys.executable, '-m', 'transformer_jax.benchmark', '--sizes=tiny', f'--json={out}',
+      '--train_steps=2', '--warmup_steps=1', '--peak_n=256', '--peak_repeats=2',
+      '--decode_batches=1', '--decode_batch_size=4', '--decode_source_length=8',
+      '--decode_length=5', '--pipeline_examples=2000', '--pipeline_batches=5',
+      # A smaller 'tiny' (fewer FLOPs, same programs) keeps the test fast.
+      '--config.model.d_model=32', '--config.model.d_ff=64', '--config.model.num_heads=2',
+      '--config.model.num_encoder_layers=1', '--config.model.num_decoder_layers=1',
+      '--config.vocab_size=96', '--config.per_device_batch_size=8']
+  result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  for header in ('MFU', 'greedy_cached', 'beam_uncached', 'packed'):
+    assert header in result.stdout, result.stdout
+  report = json.loads(out.read_text())
+
+  assert report['machine']['device_count'] >= 1 and report['machine']['cpu_count'] >= 1
+  assert report['settings']['flops_formula'] == benchmark.FLOPS_FORMULA
+  assert report['peak']['flops_per_second'] > 0
+
+  (row,) = report['training']
+  for key in ('params', 'batch_rows', 'step_seconds', 'steps_per_second',
+              'target_tokens_per_second', 'padded_target_tokens_per_second', 'flops_per_step',
+              'useful_flops_per_step', 'achieved_flops_per_second', 'mfu', 'useful_mfu',
+              'first_step_seconds', 'peak_memory_bytes', 'xla_step_memory_bytes'):
+    assert row[key] > 0, (key, row[key])
+  assert 0 < row['useful_mfu'] < row['mfu'] < 1.5
+  assert row['useful_flops_per_step'] < row['flops_per_step']
+  assert row['target_tokens_per_second'] < row['padded_target_tokens_per_second']
+  assert np.isfinite(row['final_loss'])
+
+  (decoding,) = report['decoding']
+  assert decoding['eos_suppressed'] and not decoding['trained']
+  assert set(decoding['modes']) == set(benchmark.DECODE_MODES)
+  for mode, figures in decoding['modes'].items():
+    for key in ('sentences_per_second', 'tokens_per_second', 'seconds', 'first_call_seconds'):
+      assert figures[key] > 0, (mode, key)
+    assert figures['mean_output_tokens'] == 5  # EOS suppressed: exactly --decode_length.
+  assert all(decoding['cache_speedup'][kind] > 0 for kind in ('greedy', 'beam'))
+
+  pipeline = report['pipeline']
+  assert set(pipeline['modes']) == set(benchmark.BATCHING_MODES)
+  for mode, figures in pipeline['modes'].items():
+    for key in ('examples_per_second', 'examples_per_batch', 'training_examples_per_second',
+                'ratio_to_training'):
+      assert figures[key] > 0, (mode, key)
+    assert 0 <= figures['padding_fraction'] < 1
+  # Packing leaves the least padding, fixed-size batches padded to the maximum the most.
+  modes = pipeline['modes']
+  assert (modes['packed']['padding_fraction'] < modes['tokens']['padding_fraction']
+          < modes['fixed']['padding_fraction'])

@@ -1,0 +1,777 @@
+"""Speed benchmark: training MFU, decoding speed, input-pipeline throughput, per model size.
+
+    python -m transformer_jax.benchmark [--sizes=tiny,small,base] [--dtype=bfloat16] \
+        [--json=bench.json] [--workdir=TRAINED_DEFAULT_RUN]
+
+Prints one table row per model size and writes everything (with a description of the machine)
+to --json. Every rate is divided by limits measured in the same run:
+
+  * peak: the best time of a large N x N matrix product (2 N^3 FLOPs) in the benchmark's dtype,
+    per device; MFU = achieved model FLOP/s / (peak x devices).
+  * training: target tokens/s, model FLOPs per step (formula below), achieved FLOP/s, MFU (on
+    the padded batch the hardware computes, and "useful" MFU on the real tokens only), time to
+    the first step (tracing + compilation + one step) and peak memory.
+  * decoding: sentences/s and target tokens/s for greedy and beam search, with and without the
+    decoding cache, and the speedup the cache buys.
+  * input pipeline: examples/s and padding fraction of each batching mode, and the ratio to the
+    examples/s the training step of the matching size consumes.
+
+Model FLOPs per training step (`training_flops`; backward = 2 x forward, hence the 6):
+
+  6 x (P_enc x S + P_dec x T + d_model x V x T)
+  + 6 x h x (d_k + d_v) x sum over rows of [N_enc x s^2 + N_dec x (t^2 + t x s)]
+
+P_enc / P_dec: matmul parameters of the encoder / decoder stacks (attention projections and FFN
+kernels; no embeddings, biases or LayerNorms), d_model x V the output projection (the shared
+embedding used as a matrix), S / T the source / target tokens of the batch, s / t the lengths of
+one row, N_enc / N_dec the layer counts. The attention term counts Q K^T and the weighted sum
+of values (2 x q x k x h x d_k + 2 x q x k x h x d_v forward) for encoder self-attention,
+decoder self-attention (the full t x t square: the causal mask saves no work) and
+cross-attention. With h x d_k = h x d_v = d_model it is 6 x 2 x layers x len^2 x d_model x rows
+per attention. "flops_per_step" uses the padded lengths (the work the hardware does);
+"useful_flops_per_step" the real (non-padding) lengths.
+
+Synthetic data: batches of random token ids whose real lengths are drawn in 70-80% of the padded
+length, so no dataset is needed. Decoding uses an untrained model whose end-of-sentence logit
+is pushed to -30 (a parameter edit, the same computation), so every sentence decodes exactly
+--decode_length tokens with no early stop; with --workdir it instead decodes number-words test
+sentences with the trained model, which stops at real lengths.
+
+The figures are wall-clock times of this process: run on a quiet machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import functools
+import json
+import os
+import platform
+import resource
+import socket
+import sys
+import time
+from typing import Any, Callable, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from transformer_jax import batching, inference, input_pipeline, train_lib
+from transformer_jax.config import TransformerConfig, UserInputError
+from transformer_jax.models import Transformer, count_params
+from transformer_jax.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+
+FLOPS_FORMULA = (
+    '6 x (P_enc x S + P_dec x T + d_model x V x T) + 6 x h x (d_k + d_v) x sum_rows '
+    '[N_enc x s^2 + N_dec x (t^2 + t x s)]; P_* = matmul parameters (attention projections, '
+    'FFN kernels), d_model x V = output projection, S/T = source/target tokens; padded lengths '
+    'for flops_per_step (hardware work), real lengths for useful_flops_per_step')
+
+SIZES = ('tiny', 'small', 'base')
+DECODE_MODES = ('greedy_cached', 'greedy_uncached', 'beam_cached', 'beam_uncached')
+BATCHING_MODES = ('fixed', 'tokens', 'packed')
+# Lowest id of an ordinary token: pad, eos, bos and unk come first.
+_FIRST_TOKEN_ID = max(PAD_ID, EOS_ID, BOS_ID, UNK_ID) + 1
+# Real lengths of synthetic rows: this fraction of the padded length.
+_REAL_LENGTH_FRACTION = (0.7, 0.8)
+# Untimed batches before timing an input pipeline: more than its prefetch buffer (8), so the
+# timed batches come at the rate they are produced, not from a buffer filled while planning.
+_PIPELINE_WARMUP_BATCHES = 16
+# Added to the end-of-sentence logit of untrained decoding models (logits are ~N(0, 1)).
+_EOS_SUPPRESSION = -30.0
+
+
+# ------------------------------------------------------------------------------ Sizes --
+
+@dataclasses.dataclass(frozen=True)
+class SizeSpec:
+  """One benchmarked model size: its training config, model and batch shape (per device)."""
+
+  name: str
+  config: ml_collections.ConfigDict  # Optimiser, mesh and rules; lengths set to the batch's.
+  model_config: TransformerConfig
+  rows_per_device: int
+  source_length: int  # Padded lengths of the training batch.
+  target_length: int
+
+  @property
+  def target_tokens_per_device(self) -> int:
+    return self.rows_per_device * self.target_length
+
+
+def size_spec(name: str, base_config: ml_collections.ConfigDict, *, dtype: str,
+              dropout: float | None = None) -> SizeSpec:
+  """tiny: base_config's model and batch (the default config: d 128, 3+3, vocab 256, 64 pairs
+  x 24/16 tokens). small: d 256, 3+3, ff 1024, 4 heads, vocab 8000, dropout 0.3/0.1 as the
+  Multi30k config, 64 x 32 = 2,048 target tokens. base: the paper's base model, vocab 37,000,
+  64 x 64 = 4,096 target tokens. Batch sizes are per device."""
+  config = ml_collections.ConfigDict(base_config.to_dict())
+  if name == 'tiny':
+    model_fields = config.model.to_dict()
+    vocab_size = config.vocab_size
+    rows, source_length, target_length = (config.per_device_batch_size,
+                                          config.max_source_length, config.max_target_length)
+  elif name == 'small':
+    model_fields = dict(config.model.to_dict(), d_model=256, d_ff=1024, num_heads=4,
+                        num_encoder_layers=3, num_decoder_layers=3, dropout_rate=0.3,
+                        attention_dropout_rate=0.1, max_len=128)
+    vocab_size, rows, source_length, target_length = 8000, 64, 32, 32
+  elif name == 'base':
+    model_fields = TransformerConfig.base(37000).to_dict()
+    model_fields.pop('vocab_size')
+    vocab_size, rows, source_length, target_length = 37000, 64, 64, 64
+  else:
+    raise UserInputError(f'unknown size {name!r}; expected one of {", ".join(SIZES)}')
+  model_fields['dtype'] = dtype
+  if dropout is not None:
+    model_fields['dropout_rate'] = model_fields['attention_dropout_rate'] = dropout
+  model_fields['max_len'] = max(model_fields['max_len'], source_length, target_length)
+  config.model = ml_collections.ConfigDict(model_fields)
+  config.vocab_size = vocab_size
+  config.max_source_length, config.max_target_length = source_length, target_length
+  config.per_device_batch_size = rows
+  return SizeSpec(name, config, train_lib.model_config_from(config, vocab_size), rows,
+                  source_length, target_length)
+
+
+# ------------------------------------------------------------------------------ FLOPs --
+
+def matmul_params(cfg: TransformerConfig) -> dict[str, int]:
+  """Parameters used as matrix-product weights: per stack and the output projection."""
+  d, h = cfg.d_model, cfg.num_heads
+  qk, v = cfg.head_qk_dim, cfg.head_v_dim
+  attention = d * h * qk * 2 + d * h * v + h * v * d  # query, key, value, out.
+  ffn = 2 * d * cfg.d_ff
+  return {'encoder': cfg.num_encoder_layers * (attention + ffn),
+          'decoder': cfg.num_decoder_layers * (2 * attention + ffn),
+          'output': d * cfg.vocab_size}
+
+
+def training_flops(cfg: TransformerConfig, source_lengths: Sequence[int],
+                   target_lengths: Sequence[int]) -> dict[str, float]:
+  """Model FLOPs of one training step (forward + backward) on rows of the given lengths.
+
+  Pass the padded lengths for the work the hardware does, the real lengths for useful work.
+  """
+  s = np.asarray(source_lengths, np.float64)
+  t = np.asarray(target_lengths, np.float64)
+  p = matmul_params(cfg)
+  dense = 6.0 * (p['encoder'] * s.sum() + (p['decoder'] + p['output']) * t.sum())
+  per_score = cfg.num_heads * (cfg.head_qk_dim + cfg.head_v_dim)  # FLOPs/2 per (q, k) pair.
+  attention = 6.0 * per_score * (cfg.num_encoder_layers * (s * s).sum()
+                                 + cfg.num_decoder_layers * (t * t + t * s).sum())
+  return {'dense': float(dense), 'attention': float(attention),
+          'total': float(dense + attention)}
+
+
+# ------------------------------------------------------------------------------- Peak --
+
+def measure_peak(n: int, dtype: str, repeats: int, device: jax.Device | None = None) -> dict:
+  """Best-of-`repeats` FLOP/s of an n x n @ n x n product in `dtype` on one device."""
+  device = device or jax.devices()[0]
+  dot = jax.jit(jnp.dot)
+  keys = jax.random.split(jax.random.PRNGKey(0))
+  a, b = (jax.device_put(jax.random.normal(k, (n, n), jnp.float32).astype(dtype), device)
+          for k in keys)
+  jax.block_until_ready(dot(a, b))  # Compile and warm up.
+  times = []
+  for _ in range(max(repeats, 1)):
+    start = time.perf_counter()
+    jax.block_until_ready(dot(a, b))
+    times.append(time.perf_counter() - start)
+  best = min(times)
+  return {'n': n, 'dtype': dtype, 'repeats': len(times), 'best_seconds': best,
+          'flops': 2.0 * n ** 3, 'flops_per_second': 2.0 * n ** 3 / best}
+
+
+# --------------------------------------------------------------------------- Training --
+
+def synthetic_lengths(rng: np.random.Generator, rows: int, padded_length: int) -> np.ndarray:
+  low, high = (max(1, round(f * padded_length)) for f in _REAL_LENGTH_FRACTION)
+  return rng.integers(low, high + 1, size=rows)
+
+
+def synthetic_ids(rng: np.random.Generator, lengths: np.ndarray, padded_length: int,
+                  vocab_size: int) -> np.ndarray:
+  """Right-padded rows of random ordinary ids ending with EOS."""
+  ids = rng.integers(_FIRST_TOKEN_ID, vocab_size, size=(len(lengths), padded_length))
+  positions = np.arange(padded_length)[None, :]
+  ids = np.where(positions == lengths[:, None] - 1, EOS_ID, ids)
+  return np.where(positions < lengths[:, None], ids, PAD_ID).astype(np.int32)
+
+
+def synthetic_batch(rng: np.random.Generator, rows: int, source_length: int,
+                    target_length: int, vocab_size: int) -> dict[str, np.ndarray]:
+  source_lengths = synthetic_lengths(rng, rows, source_length)
+  target_lengths = synthetic_lengths(rng, rows, target_length)
+  return {'inputs': synthetic_ids(rng, source_lengths, source_length, vocab_size),
+          'targets': synthetic_ids(rng, target_lengths, target_length, vocab_size)}
+
+
+def peak_memory(device: jax.Device) -> tuple[float | None, str]:
+  """(bytes, what they are): the device allocator's peak, or on CPU the process's peak RSS."""
+  if device.platform != 'cpu':
+    try:
+      stats = device.memory_stats() or {}
+    except Exception:  # Not every backend implements memory_stats.
+      stats = {}
+    if 'peak_bytes_in_use' in stats:
+      return float(stats['peak_bytes_in_use']), 'device peak_bytes_in_use (whole run so far)'
+  rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+  rss *= 1 if sys.platform == 'darwin' else 1024  # Linux reports KiB, macOS bytes.
+  return float(rss), 'process peak RSS (whole run so far)'
+
+
+def benchmark_training(spec: SizeSpec, *, steps: int, warmup_steps: int, peak_flops: float,
+                       seed: int = 0, num_batches: int = 4) -> tuple[dict, Any]:
+  """Times `steps` training steps after `warmup_steps`; returns (row, trained params)."""
+  trainer = train_lib.Trainer(spec.config, spec.model_config)
+  devices = trainer.mesh.devices.size
+  rows = spec.rows_per_device * devices  # Global; each process feeds its local devices' rows.
+  local_rows = spec.rows_per_device * jax.local_device_count()
+  rng = np.random.default_rng(seed + jax.process_index())
+  batches = [synthetic_batch(rng, local_rows, spec.source_length, spec.target_length,
+                             spec.model_config.vocab_size) for _ in range(num_batches)]
+  state = trainer.init_state(seed)
+  params_count = count_params(state.params)
+
+  start = time.perf_counter()
+  state, metrics = trainer.step(state, batches[0])
+  jax.block_until_ready((state, metrics))
+  first_step = time.perf_counter() - start
+  for i in range(warmup_steps):
+    state, metrics = trainer.step(state, batches[(i + 1) % num_batches])
+  jax.block_until_ready((state, metrics))
+
+  start = time.perf_counter()
+  for i in range(steps):
+    state, metrics = trainer.step(state, batches[i % num_batches])
+  jax.block_until_ready((state, metrics))
+  elapsed = time.perf_counter() - start
+  step_time = elapsed / max(steps, 1)
+  loss = float(metrics['loss_sum']) / max(float(metrics['token_count']), 1.0)
+
+  padded = training_flops(spec.model_config, [spec.source_length] * rows,
+                          [spec.target_length] * rows)
+  # Mean over the batches the timed steps used (each batch has its own real lengths).
+  used = [batches[i % num_batches] for i in range(max(steps, 1))]
+  useful = np.mean([training_flops(spec.model_config, (b['inputs'] != PAD_ID).sum(1),
+                                   (b['targets'] != PAD_ID).sum(1))['total'] for b in used])
+  real_targets = float(np.mean([(b['targets'] != PAD_ID).sum() for b in used]))
+  # Real-token figures from this process's rows, scaled to the global batch.
+  useful *= rows / local_rows
+  real_targets *= rows / local_rows
+  achieved = padded['total'] / step_time
+  memory, memory_source = peak_memory(jax.devices()[0])
+  row = {
+      'size': spec.name,
+      'model': spec.model_config.to_dict(),
+      'params': params_count,
+      'matmul_params': matmul_params(spec.model_config),
+      'devices': devices,
+      'batch_rows': rows,
+      'source_length': spec.source_length,
+      'target_length': spec.target_length,
+      'padded_target_tokens_per_step': rows * spec.target_length,
+      'real_target_tokens_per_step': real_targets,
+      'timed_steps': steps,
+      'step_seconds': step_time,
+      'steps_per_second': 1.0 / step_time,
+      'examples_per_second': rows / step_time,
+      'target_tokens_per_second': real_targets / step_time,
+      'padded_target_tokens_per_second': rows * spec.target_length / step_time,
+      'flops_per_step': padded['total'],
+      'flops_per_step_dense': padded['dense'],
+      'flops_per_step_attention': padded['attention'],
+      'useful_flops_per_step': float(useful),
+      'achieved_flops_per_second': achieved,
+      'mfu': achieved / (peak_flops * devices),
+      'useful_mfu': useful / step_time / (peak_flops * devices),
+      'first_step_seconds': first_step,
+      'peak_memory_bytes': memory,
+      'peak_memory_source': memory_source,
+      'final_loss': loss,
+  }
+  row.update(_compiled_memory(trainer, state, batches[0]))
+  return row, state.params
+
+
+def _compiled_memory(trainer: train_lib.Trainer, state, batch) -> dict:
+  """XLA's own account of the step's memory (arguments + outputs + temporaries, per device).
+
+  Lowering the same shapes again hits the compilation cache, so this costs no compile.
+  """
+  try:
+    with jax.set_mesh(trainer.mesh), nn.logical_axis_rules(trainer.rules):
+      stats = trainer.train_step.lower(state, trainer.global_batch(batch)).compile()
+      stats = stats.memory_analysis()
+    total = (stats.argument_size_in_bytes + stats.output_size_in_bytes
+             - stats.alias_size_in_bytes + stats.temp_size_in_bytes)
+    return {'xla_step_memory_bytes': float(total),
+            'xla_temp_memory_bytes': float(stats.temp_size_in_bytes)}
+  except Exception as error:  # Informational only; not every backend reports it.
+    return {'xla_step_memory_error': f'{type(error).__name__}: {error}'}
+
+
+# --------------------------------------------------------------------------- Decoding --
+
+def suppress_eos(params, cfg: TransformerConfig, margin: float = _EOS_SUPPRESSION):
+  """Parameters whose decoder never prefers EOS (same shapes, same computation).
+
+  The last LayerNorm before the output projection gets scale 0, bias 1 on feature 0, so that
+  feature is the constant 1, and the output projection's EOS weight on it becomes `margin`.
+  Returns (params, True), or (params unchanged, False) if the parameter layout is unknown.
+  """
+  params = jax.tree_util.tree_map(np.array, jax.device_get(nn.meta.unbox(params)))  # A copy.
+  try:
+    if cfg.pre_norm:
+      norm = params['decoder_norm']
+      scale, bias = norm['scale'], norm['bias']
+      scale[0], bias[0] = 0.0, 1.0
+    else:
+      norm = params['decoder_layers']['ffn_block']['norm']  # [layers, d]: the last layer's.
+      scale, bias = norm['scale'], norm['bias']
+      scale[-1, 0], bias[-1, 0] = 0.0, 1.0
+    if cfg.share_embeddings:
+      params['shared_embedding']['embedding'][EOS_ID, 0] = margin
+    else:
+      params['output_projection']['kernel'][0, EOS_ID] = margin
+  except (KeyError, IndexError, TypeError, ValueError):
+    return params, False
+  return params, True
+
+
+def _decoders(model, *, max_decode_len: int, beam_size: int, alpha: float) -> dict[str, Callable]:
+  """The four decoders, jitted: params, src [b, s] -> output ids [b, max_decode_len]."""
+  decoders = {}
+  for cache in (True, False):
+    suffix = 'cached' if cache else 'uncached'
+    decoders[f'greedy_{suffix}'] = jax.jit(functools.partial(
+        inference.greedy_decode, model, max_decode_len=max_decode_len, use_cache=cache))
+    decoders[f'beam_{suffix}'] = jax.jit(
+        lambda params, src, cache=cache: inference.beam_decode(
+            model, params, src, beam_size=beam_size, alpha=alpha,
+            max_decode_len=max_decode_len, use_cache=cache)[0][:, 0])  # Best beam.
+  return decoders
+
+
+def benchmark_decoding(name: str, model_config: TransformerConfig, params,
+                       sources: list[np.ndarray], *, max_decode_len: int, beam_size: int,
+                       alpha: float, note: str, **extra) -> dict:
+  """Sentences/s and generated tokens/s of each decoder over `sources` (same-shape batches).
+
+  The first batch is decoded once untimed (compilation), then every batch is timed.
+  """
+  model = Transformer(model_config)
+  params = jax.device_put(params)
+  modes = {}
+  for mode, decoder in _decoders(model, max_decode_len=max_decode_len, beam_size=beam_size,
+                                 alpha=alpha).items():
+    start = time.perf_counter()
+    jax.block_until_ready(decoder(params, sources[0]))
+    compile_seconds = time.perf_counter() - start
+    outputs = []
+    start = time.perf_counter()
+    for src in sources:
+      outputs.append(decoder(params, src))
+    jax.block_until_ready(outputs)
+    elapsed = time.perf_counter() - start
+    outputs = np.concatenate([np.asarray(o) for o in outputs])
+    sentences = outputs.shape[0]
+    tokens = int((outputs != PAD_ID).sum())  # Every generated token, EOS included.
+    modes[mode] = {'sentences_per_second': sentences / elapsed,
+                   'tokens_per_second': tokens / elapsed,
+                   'mean_output_tokens': tokens / sentences,
+                   'seconds': elapsed, 'first_call_seconds': compile_seconds}
+  speedup = {kind: modes[f'{kind}_cached']['sentences_per_second']
+             / modes[f'{kind}_uncached']['sentences_per_second'] for kind in ('greedy', 'beam')}
+  return {'model': name, 'batch_size': int(sources[0].shape[0]), 'batches': len(sources),
+          'source_length': int(sources[0].shape[1]),
+          'mean_source_tokens': float(np.mean([(s != PAD_ID).sum(1).mean() for s in sources])),
+          'max_decode_len': max_decode_len, 'beam_size': beam_size, 'alpha': alpha,
+          'note': note, 'modes': modes, 'cache_speedup': speedup, **extra}
+
+
+def synthetic_decoding(spec: SizeSpec, params, *, batch_size: int, source_length: int,
+                       decode_length: int, batches: int, beam_size: int, alpha: float,
+                       seed: int = 0) -> dict:
+  """An untrained model with EOS suppressed: every sentence is exactly decode_length tokens."""
+  cfg = spec.model_config
+  if max(source_length, decode_length) > cfg.max_len:
+    cfg = cfg.replace(max_len=max(source_length, decode_length))
+  params, suppressed = suppress_eos(params, cfg)
+  rng = np.random.default_rng(seed + 1)
+  sources = [synthetic_ids(rng, synthetic_lengths(rng, batch_size, source_length),
+                           source_length, cfg.vocab_size) for _ in range(batches)]
+  note = (f'untrained {spec.name} model, synthetic sources; EOS suppressed, so every sentence '
+          f'decodes exactly {decode_length} tokens (no early stop)' if suppressed else
+          f'untrained {spec.name} model, synthetic sources; could not suppress EOS (unknown '
+          'parameter layout): decoding may stop early, see mean_output_tokens')
+  return benchmark_decoding(spec.name, cfg, params, sources, max_decode_len=decode_length,
+                            beam_size=beam_size, alpha=alpha, note=note, trained=False,
+                            eos_suppressed=suppressed)
+
+
+def trained_decoding(workdir: str, *, batch_size: int, batches: int, beam_size: int,
+                     alpha: float) -> dict:
+  """The trained model of a number-words workdir on the task's test sentences."""
+  from transformer_jax import number_words
+  from transformer_jax.translate import Translator
+
+  translator = Translator.from_checkpoint(workdir)
+  with open(os.path.join(workdir, train_lib.CONFIG_FILE)) as f:
+    saved = json.load(f)['config']
+  source_length, max_decode_len = saved['max_source_length'], saved['max_target_length']
+  numbers = number_words.sample_numbers('test', batch_size * batches, seed=0)
+  sentences = [number_words.english_words(n) for n in numbers]
+  ids = [translator.tokenizer.encode(s)[:source_length - 1] + [EOS_ID] for s in sentences]
+  sources = [input_pipeline.pad_batch(
+      [{'inputs': np.asarray(i, np.int32), 'targets': np.zeros((0,), np.int32)}
+       for i in ids[start:start + batch_size]], source_length, 1)['inputs']
+             for start in range(0, len(ids), batch_size)]
+  return benchmark_decoding(
+      f'trained:{os.path.basename(os.path.normpath(workdir))}', translator.model_config,
+      translator.params, sources, max_decode_len=max_decode_len, beam_size=beam_size,
+      alpha=alpha, note=f'trained model of {workdir}, number-words test sentences, stops at EOS',
+      trained=True, eos_suppressed=False)
+
+
+# --------------------------------------------------------------------- Input pipeline --
+
+def synthetic_split(num_examples: int, vocab_size: int, max_length: int,
+                    seed: int = 0) -> input_pipeline.TokenizedSplit:
+  """Multi30k-like pairs: source ~15 +- 5 tokens (EOS included), target ~1.05x the source."""
+  rng = np.random.default_rng(seed)
+  source = np.clip(np.rint(rng.normal(15.0, 5.0, num_examples)), 3, max_length).astype(np.int64)
+  ratio = rng.normal(1.05, 0.15, num_examples)
+  target = np.clip(np.rint(source * ratio), 3, max_length).astype(np.int64)
+  arrays = {}
+  for side, lengths in (('inputs', source), ('targets', target)):
+    flat = rng.integers(_FIRST_TOKEN_ID, vocab_size, size=int(lengths.sum())).astype(np.int32)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    flat[offsets[1:] - 1] = EOS_ID
+    arrays[f'{side}_flat'], arrays[f'{side}_offsets'] = flat, offsets
+  return input_pipeline.TokenizedSplit(arrays)
+
+
+def _count_examples(batch: dict[str, np.ndarray]) -> int:
+  if 'inputs_segment_ids' in batch:
+    return int(batch['inputs_segment_ids'].max(axis=1).sum())
+  return int((batch['inputs'] != PAD_ID).any(axis=1).sum())
+
+
+def _time_iterator(iterator, num_batches: int) -> dict:
+  start = time.perf_counter()
+  next(iterator)  # Includes planning the epoch and starting the reader threads.
+  first_seconds = time.perf_counter() - start
+  for _ in range(_PIPELINE_WARMUP_BATCHES):
+    next(iterator)
+  examples = real = padded = 0
+  start = time.perf_counter()
+  for _ in range(num_batches):
+    batch = next(iterator)
+    examples += _count_examples(batch)
+    for side in ('inputs', 'targets'):
+      real += int((batch[side] != PAD_ID).sum())
+      padded += batch[side].size
+  elapsed = time.perf_counter() - start
+  return {'examples_per_second': examples / elapsed, 'batches_per_second': num_batches / elapsed,
+          'examples_per_batch': examples / num_batches, 'padding_fraction': 1.0 - real / padded,
+          'first_batch_seconds': first_seconds, 'timed_batches': num_batches}
+
+
+def benchmark_pipeline(*, num_examples: int, max_length: int, tokens_per_batch: int,
+                       num_batches: int, train_steps_per_second: float | None,
+                       vocab_size: int, size: str, seed: int = 0) -> dict:
+  """Examples/s and padding of each batching mode at the same padded-token budget per batch.
+
+  fixed: tokens_per_batch // max_length pairs padded to max_length; tokens: length buckets of
+  at most tokens_per_batch padded tokens per side; packed: rows of max_length holding several
+  pairs. The training step consumes examples_per_batch x the size's steps/s (a step over the
+  same padded-token budget costs about the same whatever the mode).
+  """
+  split = synthetic_split(num_examples, vocab_size, max_length, seed)
+  config = ml_collections.ConfigDict({'max_source_length': max_length,
+                                      'max_target_length': max_length})
+  fixed_rows = max(1, tokens_per_batch // max_length)
+  iterators = {
+      'fixed': lambda: (input_pipeline.make_train_iterator(
+          split, config, batch_size=fixed_rows, seed=seed), None),
+      'tokens': lambda: batching.make_token_budget_iterator(
+          split, tokens_per_batch=tokens_per_batch, max_length=max_length, seed=seed),
+      'packed': lambda: batching.make_packed_iterator(
+          split, tokens_per_batch=tokens_per_batch, length=max_length, seed=seed),
+  }
+  modes = {}
+  for mode in BATCHING_MODES:
+    iterator, plan = iterators[mode]()
+    result = _time_iterator(iterator, num_batches)
+    if plan is not None:
+      result['epoch_padding_fraction'] = plan.padding_fraction(0)
+    if train_steps_per_second:
+      required = result['examples_per_batch'] * train_steps_per_second
+      result['training_examples_per_second'] = required
+      result['ratio_to_training'] = result['examples_per_second'] / required
+    modes[mode] = result
+    del iterator
+  return {'size': size, 'examples': num_examples, 'max_length': max_length,
+          'tokens_per_batch': tokens_per_batch, 'fixed_rows': fixed_rows,
+          'mean_source_tokens': float(split.lengths()[0].mean()),
+          'mean_target_tokens': float(split.lengths()[1].mean()),
+          'train_steps_per_second': train_steps_per_second, 'modes': modes}
+
+
+# ----------------------------------------------------------------------------- Report --
+
+def machine_info() -> dict:
+  devices = jax.devices()
+  return {'platform': devices[0].platform, 'device_kind': devices[0].device_kind,
+          'device_count': len(devices), 'devices': [str(d) for d in devices],
+          'process_count': jax.process_count(), 'cpu_count': os.cpu_count(),
+          'hostname': socket.gethostname(), 'python': platform.python_version(),
+          'machine': platform.machine(), 'jax': jax.__version__,
+          'date': datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}
+
+
+def _si(value: float | None, unit: str = '') -> str:
+  if value is None:
+    return '-'
+  for factor, prefix in ((1e12, 'T'), (1e9, 'G'), (1e6, 'M'), (1e3, 'k')):
+    if abs(value) >= factor:
+      return f'{value / factor:.2f}{prefix}{unit}'
+  return f'{value:.2f}{unit}'
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+  widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
+            for i, h in enumerate(headers)]
+  line = lambda cells: '  '.join(c.rjust(w) for c, w in zip(cells, widths))
+  return '\n'.join([line(headers), line(['-' * w for w in widths])] + [line(r) for r in rows])
+
+
+def format_report(report: dict) -> str:
+  m, peak = report['machine'], report['peak']
+  out = [f'machine: {m["device_count"]} x {m["device_kind"]} ({m["platform"]}), '
+         f'{m["cpu_count"]} CPUs, jax {m["jax"]}, {m["date"]}',
+         f'peak: {peak["n"]}x{peak["n"]} {peak["dtype"]} matmul, best of {peak["repeats"]}: '
+         f'{_si(peak["flops_per_second"], "FLOP/s")} per device', '']
+  if report.get('training'):
+    out += ['training (FLOPs: ' + FLOPS_FORMULA + ')', _table(
+        ['size', 'params', 'batch', 'tgt tok/s', 'FLOPs/step', 'FLOP/s', 'MFU', 'useful MFU',
+         'step s', 'first step s', 'peak mem', 'XLA step mem'],
+        [[r['size'], _si(r['params']), f'{r["batch_rows"]}x{r["source_length"]}/'
+          f'{r["target_length"]}', _si(r['target_tokens_per_second']),
+          _si(r['flops_per_step']), _si(r['achieved_flops_per_second']), f'{r["mfu"]:.1%}',
+          f'{r["useful_mfu"]:.1%}', f'{r["step_seconds"]:.3f}',
+          f'{r["first_step_seconds"]:.1f}', _si(r['peak_memory_bytes'], 'B'),
+          _si(r.get('xla_step_memory_bytes'), 'B')] for r in report['training']]), '']
+  if report.get('decoding'):
+    rows = []
+    for r in report['decoding']:
+      for mode in DECODE_MODES:
+        d = r['modes'][mode]
+        kind = mode.split('_')[0]
+        rows.append([r['model'], mode, f'{d["sentences_per_second"]:.1f}',
+                     f'{d["tokens_per_second"]:.0f}', f'{d["mean_output_tokens"]:.1f}',
+                     f'{d["first_call_seconds"]:.1f}',
+                     f'{r["cache_speedup"][kind]:.2f}x' if mode.endswith('_cached') else ''])
+    out += [f'decoding (beam {report["decoding"][0]["beam_size"]}; ' + '; '.join(
+        f'{r["model"]}: {r["note"]}' for r in report['decoding']) + ')',
+            _table(['model', 'mode', 'sent/s', 'tok/s', 'tok/sent', 'first call s',
+                    'cache speedup'], rows), '']
+  if report.get('pipeline'):
+    p = report['pipeline']
+    out += [f'input pipeline ({p["examples"]:,} synthetic Multi30k-like pairs, max length '
+            f'{p["max_length"]}, {p["tokens_per_batch"]} padded tokens per batch and side; '
+            f'compared with the {p["size"]} training step)', _table(
+                ['mode', 'examples/s', 'examples/batch', 'padding', 'training needs',
+                 'ratio'],
+                [[mode, f'{d["examples_per_second"]:,.0f}', f'{d["examples_per_batch"]:.1f}',
+                  f'{d["padding_fraction"]:.1%}',
+                  f'{d["training_examples_per_second"]:,.0f}/s'
+                  if 'training_examples_per_second' in d else '-',
+                  f'{d["ratio_to_training"]:.1f}x' if 'ratio_to_training' in d else '-']
+                 for mode, d in p['modes'].items()]), '']
+  return '\n'.join(out)
+
+
+# ------------------------------------------------------------------------------- Main --
+
+@dataclasses.dataclass
+class Options:
+  sizes: Sequence[str] = ('tiny', 'small')
+  sections: Sequence[str] = ('train', 'decode', 'pipeline')
+  dtype: str = ''  # '' = float32 on CPU, bfloat16 on accelerators.
+  dropout: float | None = None
+  train_steps: int = 10
+  warmup_steps: int = 2
+  peak_n: int = 0  # 0 = 2048 on CPU, 8192 on accelerators.
+  peak_repeats: int = 5
+  decode_batch_size: int = 32
+  decode_source_length: int = 24
+  decode_length: int = 24
+  decode_batches: int = 3
+  beam_size: int = 4
+  alpha: float = 0.6
+  workdir: str = ''
+  pipeline_examples: int = 30_000
+  pipeline_batches: int = 200
+  pipeline_max_length: int = 64
+  pipeline_size: str = ''  # '' = small if benchmarked, else the first size.
+  seed: int = 0
+
+
+def run(config: ml_collections.ConfigDict, options: Options,
+        progress: Callable[[str], None] = lambda message: None) -> dict:
+  """Runs the benchmark; returns the report (what --json writes)."""
+  for name in options.sizes:
+    if name not in SIZES:
+      raise UserInputError(f'--sizes: unknown size {name!r}; expected some of {", ".join(SIZES)}')
+  for section in options.sections:
+    if section not in ('train', 'decode', 'pipeline'):
+      raise UserInputError(f'--sections: unknown section {section!r}; expected some of '
+                           'train, decode, pipeline')
+  accelerator = jax.devices()[0].platform != 'cpu'
+  dtype = options.dtype or ('bfloat16' if accelerator else 'float32')
+  peak_n = options.peak_n or (8192 if accelerator else 2048)
+  report: dict[str, Any] = {
+      'machine': machine_info(),
+      'settings': {**dataclasses.asdict(options), 'dtype': dtype, 'peak_n': peak_n,
+                   'flops_formula': FLOPS_FORMULA},
+  }
+  progress(f'peak: timing a {peak_n}x{peak_n} {dtype} matmul')
+  report['peak'] = measure_peak(peak_n, dtype, options.peak_repeats)
+  peak = report['peak']['flops_per_second']
+
+  specs = {name: size_spec(name, config, dtype=dtype, dropout=options.dropout)
+           for name in options.sizes}
+  report['training'], report['decoding'] = [], []
+  steps_per_second = {}
+  for name, spec in specs.items():
+    params = None
+    if 'train' in options.sections:
+      progress(f'training: {name}')
+      row, params = benchmark_training(spec, steps=options.train_steps,
+                                       warmup_steps=options.warmup_steps, peak_flops=peak,
+                                       seed=options.seed)
+      report['training'].append(row)
+      steps_per_second[name] = row['steps_per_second']
+    if 'decode' in options.sections:
+      progress(f'decoding: {name}')
+      if params is None:
+        model = Transformer(spec.model_config)
+        dummy = jnp.ones((1, 1), jnp.int32)
+        params = model.init(jax.random.PRNGKey(options.seed), dummy, dummy)['params']
+      report['decoding'].append(synthetic_decoding(
+          spec, params, batch_size=options.decode_batch_size,
+          source_length=options.decode_source_length, decode_length=options.decode_length,
+          batches=options.decode_batches, beam_size=options.beam_size, alpha=options.alpha,
+          seed=options.seed))
+    del params
+  if 'decode' in options.sections and options.workdir:
+    progress(f'decoding: trained model in {options.workdir}')
+    report['decoding'].append(trained_decoding(
+        options.workdir, batch_size=options.decode_batch_size, batches=options.decode_batches,
+        beam_size=options.beam_size, alpha=options.alpha))
+
+  if 'pipeline' in options.sections:
+    size = options.pipeline_size or ('small' if 'small' in specs else
+                                     (options.sizes[0] if options.sizes else 'small'))
+    spec = specs.get(size) or size_spec(size, config, dtype=dtype)
+    progress(f'input pipeline: batches of the {size} size')
+    report['pipeline'] = benchmark_pipeline(
+        num_examples=options.pipeline_examples, max_length=options.pipeline_max_length,
+        tokens_per_batch=spec.target_tokens_per_device * jax.device_count(),
+        num_batches=options.pipeline_batches, train_steps_per_second=steps_per_second.get(size),
+        vocab_size=spec.model_config.vocab_size, size=size, seed=options.seed)
+  return report
+
+
+def _define_flags():
+  from absl import flags
+  from ml_collections import config_flags
+
+  default_config = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                'configs', 'default.py')
+  config_flags.DEFINE_config_file(
+      'config', default_config, 'Training config: optimiser/mesh settings of every size and '
+      "the 'tiny' model and batch.", lock_config=False)
+  defaults = Options()
+  flags.DEFINE_list('sizes', list(defaults.sizes), f'Model sizes, some of {", ".join(SIZES)}.')
+  flags.DEFINE_list('sections', list(defaults.sections), 'Parts to run: train, decode, pipeline.')
+  flags.DEFINE_string('json', '', 'Write the full report as JSON here.')
+  flags.DEFINE_enum('dtype', None, ['float32', 'bfloat16'],
+                    'Compute dtype (default: float32 on CPU, bfloat16 on accelerators).')
+  flags.DEFINE_float('dropout', None, "Override every size's dropout rates (e.g. 0).")
+  flags.DEFINE_integer('train_steps', defaults.train_steps, 'Timed training steps per size.')
+  flags.DEFINE_integer('warmup_steps', defaults.warmup_steps,
+                       'Untimed steps after the first (compiling) one.')
+  flags.DEFINE_integer('peak_n', defaults.peak_n,
+                       'Matmul size of the peak measurement (0: 2048 on CPU, 8192 otherwise).')
+  flags.DEFINE_integer('peak_repeats', defaults.peak_repeats, 'Timed peak matmuls (best kept).')
+  flags.DEFINE_integer('decode_batch_size', defaults.decode_batch_size, 'Sentences per batch.')
+  flags.DEFINE_integer('decode_source_length', defaults.decode_source_length,
+                       'Padded source length of synthetic decoding batches.')
+  flags.DEFINE_integer('decode_length', defaults.decode_length,
+                       'Tokens decoded per sentence by the untrained models.')
+  flags.DEFINE_integer('decode_batches', defaults.decode_batches,
+                       'Timed batches per decoder (after one untimed, compiling call).')
+  flags.DEFINE_integer('beam_size', defaults.beam_size, 'Beam size of beam search.')
+  flags.DEFINE_float('alpha', defaults.alpha, 'Length penalty of beam search.')
+  flags.DEFINE_string('workdir', '', 'A trained default (number-words) workdir: also decode '
+                      'its test sentences with the trained model.')
+  flags.DEFINE_integer('pipeline_examples', defaults.pipeline_examples,
+                       'Synthetic pairs of the input-pipeline benchmark.')
+  flags.DEFINE_integer('pipeline_batches', defaults.pipeline_batches,
+                       'Timed batches per batching mode.')
+  flags.DEFINE_integer('pipeline_max_length', defaults.pipeline_max_length,
+                       'Longest pair (and fixed/packed row length) of the pipeline benchmark.')
+  flags.DEFINE_string('pipeline_size', defaults.pipeline_size,
+                      'Size whose batch budget and step rate the pipeline is compared with '
+                      '(default: small if benchmarked, else the first size).')
+  flags.DEFINE_integer('seed', defaults.seed, 'Seed of parameters and synthetic data.')
+
+
+def main(argv):
+  from absl import flags
+  from transformer_jax.checkpointing import CorruptCheckpointError
+  from transformer_jax.metric_writers import quiet_library_logs
+
+  if len(argv) > 1:
+    raise SystemExit(f'unexpected arguments: {argv[1:]}')
+  quiet_library_logs()
+  f = flags.FLAGS
+  options = Options(
+      sizes=[s for s in f.sizes if s], sections=[s for s in f.sections if s],
+      dtype=f.dtype or '', dropout=f.dropout, train_steps=f.train_steps,
+      warmup_steps=f.warmup_steps, peak_n=f.peak_n, peak_repeats=f.peak_repeats,
+      decode_batch_size=f.decode_batch_size, decode_source_length=f.decode_source_length,
+      decode_length=f.decode_length, decode_batches=f.decode_batches, beam_size=f.beam_size,
+      alpha=f.alpha, workdir=f.workdir, pipeline_examples=f.pipeline_examples,
+      pipeline_batches=f.pipeline_batches, pipeline_max_length=f.pipeline_max_length,
+      pipeline_size=f.pipeline_size, seed=f.seed)
+  try:
+    report = run(f.config, options,
+                 progress=lambda message: print(f'[benchmark] {message}', file=sys.stderr,
+                                                flush=True))
+  except (UserInputError, FileNotFoundError, CorruptCheckpointError) as error:
+    print(f'error: {error}', file=sys.stderr)
+    sys.exit(2)
+  print(format_report(report))
+  if f.json:
+    directory = os.path.dirname(os.path.abspath(f.json))
+    os.makedirs(directory, exist_ok=True)
+    with open(f.json, 'w') as out:
+      json.dump(report, out, indent=2, sort_keys=True)
+    print(f'wrote {f.json}')
+
+
+if __name__ == '__main__':
+  from absl import app
+
+  _define_flags()
+  app.run(main)
