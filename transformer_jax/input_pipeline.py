@@ -206,6 +206,19 @@ def pad_batch(examples: list[dict], max_source_length: int, max_target_length: i
   return {'inputs': inputs, 'targets': targets}
 
 
+class _Subset:
+  """The examples of a split at `indices` (a random-access source for grain)."""
+
+  def __init__(self, split, indices: np.ndarray):
+    self._split, self._indices = split, indices
+
+  def __len__(self) -> int:
+    return len(self._indices)
+
+  def __getitem__(self, index: int):
+    return self._split[int(self._indices[index])]
+
+
 def make_train_iterator(source: TokenizedSplit, config: ml_collections.ConfigDict, *,
                         batch_size: int, seed: int, process_index: int = 0,
                         process_count: int = 1) -> grain.DatasetIterator:
@@ -213,18 +226,22 @@ def make_train_iterator(source: TokenizedSplit, config: ml_collections.ConfigDic
 
   `batch_size` is this process's share of the global batch. Each process reads a disjoint slice
   of the data (every process_count-th example), so together they cover it once per epoch.
+  Pairs longer than the maximum lengths are left out (decided up front from the lengths).
   """
+  source_lengths, target_lengths = source.lengths()
+  eligible = np.flatnonzero((source_lengths <= config.max_source_length)
+                            & (target_lengths <= config.max_target_length))
   dataset = (
-      grain.MapDataset.source(source)
+      grain.MapDataset.source(_Subset(source, eligible))
       .slice(slice(process_index, None, process_count))
       .shuffle(seed=seed)
       .repeat(None)
-      .to_iter_dataset()
-      .filter(_FitsLengths(config.max_source_length, config.max_target_length))
       .batch(batch_size, drop_remainder=True,
              batch_fn=lambda examples: pad_batch(list(examples), config.max_source_length,
                                                  config.max_target_length)))
-  return iter(dataset)
+  # Whole batches are the unit of prefetching: per-example threads cost more in locking than
+  # the work they parallelise (1.3k examples/s vs 13k/s synchronous, measured).
+  return iter(dataset.to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=4)))
 
 
 def make_eval_batches(source: TokenizedSplit, config: ml_collections.ConfigDict, *,
