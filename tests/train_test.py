@@ -122,3 +122,43 @@ def test_evaluate_prints_sacrebleu_with_signature_and_writes_hypotheses(trained_
                  f'--ref={ref}'])
   assert result.returncode == 2
   assert f'error: {src} has 5 lines but {ref} has 1' in result.stderr.decode()
+
+
+def test_translate_file_input_and_output(trained_workdir, tmp_path):
+  workdir, _ = trained_workdir
+  source, target = tmp_path / 'in.txt', tmp_path / 'out.txt'
+  source.write_bytes(b'seven\r\n\nforty-two')  # CRLF, an empty line, no final newline.
+  result = _run(['-m', 'transformer_jax.translate', f'--workdir={workdir}', '--beam_size=1',
+                 f'--input={source}', f'--output={target}'])
+  assert result.returncode == 0, result.stderr.decode()[-3000:]
+  lines = target.read_text(encoding='utf-8').split('\n')
+  assert len(lines) == 4 and lines[1] == '' and lines[3] == ''  # 3 lines + final newline.
+  result = _run(['-m', 'transformer_jax.translate', f'--workdir={workdir}',
+                 f'--input={tmp_path / "missing.txt"}'])
+  assert result.returncode == 2 and 'missing.txt: no such file' in result.stderr.decode()
+
+
+def test_translate_is_interactive_on_a_terminal(trained_workdir):
+  """A pseudo-terminal on stdin: each typed line is answered before the next is typed."""
+  import pty
+  import select
+  workdir, _ = trained_workdir
+  leader, follower = pty.openpty()
+  process = subprocess.Popen([sys.executable, '-m', 'transformer_jax.translate',
+                              f'--workdir={workdir}', '--beam_size=1'], cwd=REPO_ROOT,
+                             stdin=follower, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+  os.close(follower)
+  try:
+    answers = []
+    for sentence in (b'seven\n', b'twenty\n'):
+      os.write(leader, sentence)
+      ready, _, _ = select.select([process.stdout], [], [], 120)
+      assert ready, 'no answer within 120 s'
+      answers.append(process.stdout.readline())
+    assert len(answers) == 2 and all(a.endswith(b'\n') for a in answers)
+    os.write(leader, b'\x04')  # Ctrl-D ends the session.
+    assert process.wait(timeout=60) == 0
+  finally:
+    if process.poll() is None:
+      process.kill()
+    os.close(leader)

@@ -2,8 +2,9 @@
 
     python -m transformer_jax.translate --workdir=DIR < source.txt > hypotheses.txt
 
-Reads one sentence per line from stdin and writes exactly one translation per line to stdout,
-in order (an empty line gives an empty line).
+Reads one sentence per line from stdin (or --input) and writes exactly one translation per
+line to stdout (or --output), in order (an empty line gives an empty line). When stdin is a
+terminal, translates each line as it is typed.
 """
 
 from __future__ import annotations
@@ -184,25 +185,55 @@ def _define_flags():
                       'averaged checkpoint if current, else the latest).')
   flags.DEFINE_integer('batch_size', 64, 'Sentences decoded together.')
   flags.DEFINE_integer('beam_size', 4, 'Beam size; 1 = greedy (the paper: 4).')
+  flags.DEFINE_string('input', None, 'Read sentences from this file instead of stdin.')
+  flags.DEFINE_string('output', None, 'Write translations to this file instead of stdout.')
   flags.DEFINE_float('alpha', 0.6, 'Length penalty exponent ((5+len)/6)^alpha (the paper: 0.6).')
   flags.mark_flags_as_required(['workdir'])
+
+
+def _decode_line(raw: bytes) -> str:
+  # Bytes that are not UTF-8 become U+FFFD instead of ending the run.
+  return raw.decode('utf-8', errors='replace').rstrip('\r\n')
+
+
+def _interactive(translator: Translator) -> None:
+  """A terminal on stdin: translate each line as soon as it is typed."""
+  print('Type a sentence and press Enter (Ctrl-D to quit).', file=sys.stderr)
+  for raw in sys.stdin.buffer:
+    (translation,) = translator.translate([_decode_line(raw)], beam_size=FLAGS.beam_size,
+                                          alpha=FLAGS.alpha)
+    print(translation, flush=True)
 
 
 def main(argv):
   del argv
   quiet_library_logs()
   try:
+    if FLAGS.input and not os.path.isfile(FLAGS.input):
+      raise FileNotFoundError(f'--input={FLAGS.input}: no such file')
     translator = Translator.from_checkpoint(
         FLAGS.workdir, checkpoint_flag_value(FLAGS.checkpoint), FLAGS.batch_size)
   except (FileNotFoundError, UserInputError, CorruptCheckpointError) as error:
     print(f'error: {error}', file=sys.stderr)
     sys.exit(2)
-  # Bytes that are not UTF-8 become U+FFFD instead of ending the run.
-  lines = [line.decode('utf-8', errors='replace').rstrip('\r\n')
-           for line in sys.stdin.buffer]
-  for translation in translator.translate(lines, beam_size=FLAGS.beam_size, alpha=FLAGS.alpha):
-    sys.stdout.write(translation.replace('\n', ' ') + '\n')
-  sys.stdout.flush()
+  if not FLAGS.input and sys.stdin.isatty():
+    _interactive(translator)
+    return
+  if FLAGS.input:
+    with open(FLAGS.input, 'rb') as f:
+      lines = [_decode_line(raw) for raw in f]
+  else:
+    lines = [_decode_line(raw) for raw in sys.stdin.buffer]
+  translations = translator.translate(lines, beam_size=FLAGS.beam_size, alpha=FLAGS.alpha)
+  text = ''.join(t.replace('\n', ' ') + '\n' for t in translations)
+  if FLAGS.output:
+    tmp = FLAGS.output + '.tmp'
+    with open(tmp, 'w', encoding='utf-8') as f:
+      f.write(text)
+    os.replace(tmp, FLAGS.output)  # Never a half-written output file.
+  else:
+    sys.stdout.write(text)
+    sys.stdout.flush()
 
 
 if __name__ == '__main__':
