@@ -115,7 +115,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.log_every_steps = 100
   # Evaluate on eval_split every this many steps (and at the end).
   config.eval_every_steps = 500
-  # Examples of eval_split greedily decoded at each evaluation for exact match (0: none).
+  # Examples of eval_split greedily decoded at each evaluation for exact match, sacreBLEU and
+  # chrF, with a few samples written to TensorBoard as text (0: none).
   config.eval_decode_examples = 500
   # Sentences per batch when evaluating and decoding.
   config.eval_batch_size = 256
@@ -123,7 +124,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.checkpoint_every_steps = 500
   # Checkpoints kept on disk (oldest deleted first).
   config.keep_checkpoints = 3
-  # Greedily decode the whole test_split after training and report exact match.
+  # Greedily decode the whole test_split after training; report exact match, BLEU and chrF.
   config.final_test_decode = True
 
   # --- Devices ----------------------------------------------------------------------------

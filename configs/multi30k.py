@@ -48,8 +48,9 @@ def get_config():
 
   config.log_every_steps = 100
   config.eval_every_steps = 500
-  # Exact match means little for free text; BLEU comes from `python -m transformer_jax.evaluate`.
-  config.eval_decode_examples = 0
+  # Greedy BLEU on the first 256 validation captions at each evaluation (beam search and the
+  # whole test set: `python -m transformer_jax.evaluate`).
+  config.eval_decode_examples = 256
   config.final_test_decode = False
   config.eval_batch_size = 128
   config.checkpoint_every_steps = 250

@@ -39,9 +39,16 @@ def test_train_py_writes_everything_inference_needs(trained_workdir):
     assert os.path.exists(os.path.join(workdir, name)), name
   assert sorted(os.listdir(os.path.join(workdir, 'checkpoints'))) == ['3', '6']
   assert 'step 6/6 | loss' in log and 'tok/s' in log and 'ETA' in log
-  assert 'test exact match' in log
-  assert any(f.startswith('events.out.tfevents')
-             for f in os.listdir(os.path.join(workdir, 'tensorboard')))
+  assert 'test exact match' in log and 'BLEU' in log and 'chrF' in log
+  assert 'eval step 6: loss' in log and 'bleu' in log  # Validation BLEU during training.
+  events = [os.path.join(workdir, 'tensorboard', f)
+            for f in os.listdir(os.path.join(workdir, 'tensorboard'))
+            if f.startswith('events.out.tfevents')]
+  assert events
+  content = b''.join(open(f, 'rb').read() for f in events)
+  for tag in (b'train/loss', b'train/learning_rate', b'train/target_tokens_per_second',
+              b'eval/loss', b'eval/bleu', b'eval/samples', b'test/exact_match'):
+    assert tag in content, tag
 
 
 def test_translate_keeps_one_line_per_input_line(trained_workdir):

@@ -26,7 +26,7 @@ from absl import logging
 from flax import struct
 from flax.training import train_state
 
-from transformer_jax import batching, input_pipeline, inference, sharding
+from transformer_jax import batching, evaluate, input_pipeline, inference, sharding
 from transformer_jax.checkpointing import Checkpointer, CorruptCheckpointError
 from transformer_jax.config import TransformerConfig, UserInputError
 from transformer_jax.decode import strip_after_eos
@@ -234,18 +234,31 @@ class Trainer:
     return outputs
 
 
-def exact_match(trainer: Trainer, params, source, tokenized: input_pipeline.TokenizedSplit,
-                tokenizer: Tokenizer, config: ml_collections.ConfigDict,
-                max_examples: int | None) -> float:
-  """Fraction of sentences whose greedy translation equals the reference exactly."""
+def decode_split(trainer: Trainer, params, source, tokenized: input_pipeline.TokenizedSplit,
+                 tokenizer: Tokenizer, config: ml_collections.ConfigDict,
+                 max_examples: int | None) -> tuple[list[str], list[str], list[str]]:
+  """(sources, references, greedy hypotheses) for the first `max_examples` of a split."""
   batches = input_pipeline.make_eval_batches(tokenized, config,
                                              batch_size=config.eval_batch_size,
                                              max_examples=max_examples)
-  _, references = input_pipeline.eval_texts(source, config, max_examples)
+  sources, references = input_pipeline.eval_texts(source, config, max_examples)
   outputs = trainer.decode_batches(params, batches)[:len(references)]  # Drop filler rows.
-  hypotheses = [tokenizer.decode(ids) for ids in outputs]
+  return sources, references, [tokenizer.decode(ids) for ids in outputs]
+
+
+def translation_metrics(references: list[str], hypotheses: list[str]) -> dict[str, float]:
+  """Exact match and sacreBLEU corpus BLEU / chrF of detokenized hypotheses."""
+  scores = evaluate.score(hypotheses, references)
   hits = sum(h == r for h, r in zip(hypotheses, references))
-  return hits / max(len(references), 1)
+  return {'exact_match': hits / max(len(references), 1), 'bleu': scores['bleu'],
+          'chrf': scores['chrf']}
+
+
+def _samples_markdown(sources, references, hypotheses, count: int = 3) -> str:
+  rows = ['| source | reference | greedy |', '|---|---|---|']
+  for triple in list(zip(sources, references, hypotheses))[:count]:
+    rows.append('| ' + ' | '.join(t.replace('|', '\\|') for t in triple) + ' |')
+  return '\n'.join(rows)
 
 
 # Config fields that decide what the parameters and the data order mean: a resumed run must
@@ -430,9 +443,11 @@ def _train_and_evaluate(config, workdir, preemption: _PreemptionFlag) -> dict[st
   def run_eval(step):
     metrics = trainer.evaluate(state.params, eval_batches)
     if config.eval_decode_examples:
-      metrics['exact_match'] = exact_match(
-          trainer, state.params, sources[config.eval_split], tokenized[config.eval_split],
-          tokenizer, config, config.eval_decode_examples)
+      texts = decode_split(trainer, state.params, sources[config.eval_split],
+                           tokenized[config.eval_split], tokenizer, config,
+                           config.eval_decode_examples)
+      metrics.update(translation_metrics(texts[1], texts[2]))
+      writer.write_texts(step, {'eval/samples': _samples_markdown(*texts)})
     writer.write_scalars(step, {f'eval/{k}': v for k, v in metrics.items()})
     log(f'eval step {step}: ' + ', '.join(f'{k} {v:.4f}' for k, v in metrics.items()))
     return metrics
@@ -499,12 +514,14 @@ def _train_and_evaluate(config, workdir, preemption: _PreemptionFlag) -> dict[st
     eval_metrics = run_eval(step)
   checkpointer.close()
   if config.final_test_decode:
-    test_exact = exact_match(trainer, state.params, sources[config.test_split],
-                             tokenized[config.test_split], tokenizer, config, None)
-    eval_metrics['test_exact_match'] = test_exact
-    writer.write_scalars(step, {'test/exact_match': test_exact})
-    log(f'test exact match (greedy, {len(sources[config.test_split])} sentences): '
-        f'{test_exact:.4f}')
+    _, references, hypotheses = decode_split(trainer, state.params, sources[config.test_split],
+                                             tokenized[config.test_split], tokenizer, config,
+                                             None)
+    test = translation_metrics(references, hypotheses)
+    eval_metrics.update({f'test_{k}': v for k, v in test.items()})
+    writer.write_scalars(step, {f'test/{k}': v for k, v in test.items()})
+    log(f'test exact match (greedy, {len(references)} sentences): {test["exact_match"]:.4f}, '
+        f'BLEU {test["bleu"]:.2f}, chrF {test["chrf"]:.2f}')
   writer.close()
   log(f'done in {format_duration(time.time() - run_start)}; workdir {workdir}')
   return eval_metrics
