@@ -43,12 +43,7 @@ def _ids(first, index, length):
 def _build_split(source_lengths, target_lengths):
   inputs = [_ids(4 + i, i, n) for i, n in enumerate(source_lengths)]
   targets = [_ids(TARGET_ID_BASE + i, i, n) for i, n in enumerate(target_lengths)]
-  arrays = {}
-  for side, seqs in (('inputs', inputs), ('targets', targets)):
-    lengths = np.array([len(s) for s in seqs], np.int64)
-    arrays[f'{side}_offsets'] = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    arrays[f'{side}_flat'] = np.concatenate([np.asarray(s, np.int32) for s in seqs])
-  return TokenizedSplit(arrays)
+  return TokenizedSplit.from_sequences(inputs, targets)
 
 
 @pytest.fixture(scope='module')

@@ -49,12 +49,7 @@ FAST_COMPILE = {'xla_backend_optimization_level': 0}
 # --- helpers -----------------------------------------------------------------------------------
 
 def _split_from(inputs, targets):
-  arrays = {}
-  for side, seqs in (('inputs', inputs), ('targets', targets)):
-    lengths = np.array([len(s) for s in seqs], np.int64)
-    arrays[f'{side}_offsets'] = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    arrays[f'{side}_flat'] = np.concatenate([np.asarray(s, np.int32) for s in seqs])
-  return TokenizedSplit(arrays)
+  return TokenizedSplit.from_sequences(inputs, targets)
 
 
 def _model_split():

@@ -156,18 +156,25 @@ class TokenizedSplit:
     for example in read_examples(source):
       sides['inputs'].append(_text(example, config.data.src_lang))
       sides['targets'].append(_text(example, config.data.tgt_lang))
-    arrays = {}
-    for side, texts in sides.items():
-      ids = [sequence + [EOS_ID] for sequence in tokenizer.encode_batch(texts)]
-      lengths = np.array([len(sequence) for sequence in ids], np.int64)
-      arrays[f'{side}_offsets'] = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-      arrays[f'{side}_flat'] = (np.concatenate([np.asarray(s, np.int32) for s in ids])
-                                if ids else np.zeros((0,), np.int32))
+    split = cls.from_sequences(
+        *([ids + [EOS_ID] for ids in tokenizer.encode_batch(sides[side])]
+          for side in ('inputs', 'targets')))
     if cache_path and jax.process_index() == 0:
       os.makedirs(os.path.dirname(cache_path), exist_ok=True)
       tmp = cache_path + '.tmp.npz'
-      np.savez(tmp, fingerprint=np.array(fingerprint), **arrays)
+      np.savez(tmp, fingerprint=np.array(fingerprint), **split._arrays)
       os.replace(tmp, cache_path)  # Atomic: a crash never leaves half a cache.
+    return split
+
+  @classmethod
+  def from_sequences(cls, inputs: list, targets: list) -> 'TokenizedSplit':
+    """From per-example id sequences (EOS included): example i is (inputs[i], targets[i])."""
+    arrays = {}
+    for side, sequences in (('inputs', inputs), ('targets', targets)):
+      lengths = np.array([len(sequence) for sequence in sequences], np.int64)
+      arrays[f'{side}_offsets'] = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+      arrays[f'{side}_flat'] = (np.concatenate([np.asarray(s, np.int32) for s in sequences])
+                                if len(sequences) else np.zeros((0,), np.int32))
     return cls(arrays)
 
 
