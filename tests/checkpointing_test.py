@@ -192,7 +192,7 @@ def test_params_checkpoint_round_trip(tmp_path):
     restore_params_from(directory, dict(abstract, extra=abstract['embed']))
 
 
-def test_params_checkpoint_missing_or_incomplete(tmp_path):
+def test_params_checkpoint_missing_or_incomplete(tmp_path, monkeypatch):
   directory = str(tmp_path / 'averaged')
   with pytest.raises(FileNotFoundError, match='no params checkpoint in'):
     read_metadata(directory)
@@ -202,9 +202,18 @@ def test_params_checkpoint_missing_or_incomplete(tmp_path):
   with pytest.raises(TypeError):
     save_params(directory, {'w': np.ones(2, np.float32)}, {'bad': object()})
   assert os.listdir(tmp_path) == []
-  # A save that dies mid-write leaves nothing that looks like a checkpoint.
-  with pytest.raises(Exception):
+  # So does a leaf that is not an array.
+  with pytest.raises(TypeError, match=r"leaf \['w'\] is a object"):
     save_params(directory, {'w': object()}, {})
+  assert os.listdir(tmp_path) == []
+  # A save that dies mid-write (params committed, metadata not yet durable)
+  # leaves nothing that looks like a checkpoint.
+  def failing_fsync(fd):
+    raise OSError('disk gone')
+  monkeypatch.setattr(os, 'fsync', failing_fsync)
+  with pytest.raises(OSError, match='disk gone'):
+    save_params(directory, {'w': np.ones(2, np.float32)}, {})
+  monkeypatch.undo()
   assert not is_params_checkpoint(directory) and os.listdir(tmp_path) == []
   # Leftover staging folders from a killed process are cleaned by the next save.
   os.makedirs(tmp_path / '.averaged.tmp-dead')

@@ -365,6 +365,12 @@ def save_params(directory: str, params: Any, metadata: dict | None = None) -> st
   directory = os.path.abspath(os.fspath(directory))
   # Serialise first: a metadata dict that is not JSON fails before any I/O.
   metadata_text = json.dumps(dict(metadata or {}), indent=2, sort_keys=True)
+  # Likewise a leaf that is not an array: orbax would fail on it from a
+  # background thread, after it had started creating files.
+  for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+    if not isinstance(leaf, (np.ndarray, np.generic, jax.Array)):
+      raise TypeError(f'save_params: leaf {jax.tree_util.keystr(path)} is a '
+                      f'{type(leaf).__name__}, not an array')
   parent, name = os.path.split(directory)
   os.makedirs(parent, exist_ok=True)
   for entry in os.listdir(parent):  # leftovers of earlier interrupted saves
