@@ -52,6 +52,11 @@ def resolve_dataset(config: ml_collections.ConfigDict, data_dir: str) -> str:
 
 def load_data_sources(config: ml_collections.ConfigDict, data_dir: str) -> dict[str, Any]:
   """Random-access sources of every split of the (prepared) dataset, by split name."""
+  if data_dir.startswith('gs://'):
+    # Without this, riegeli fails deep inside the first read with "open() failed".
+    raise UserInputError(f'config.data_dir={data_dir!r}: array_record cannot read from gs:// '
+                         '(google/array_record#120); copy the prepared dataset to local disk '
+                         '(`gcloud storage cp -r`) or mount the bucket with gcsfuse')
   name = resolve_dataset(config, data_dir)
   try:
     sources = tfds.data_source(name, data_dir=data_dir, try_gcs=False)
