@@ -90,6 +90,11 @@ def get_config() -> ml_collections.ConfigDict:
   # (paper: 25,000).
   config.tokens_per_batch = 4096
 
+  # Gradient accumulation: each optimiser step runs this many micro-batches of the size above
+  # one after another and sums their gradients, for an effective batch this many times larger
+  # at the memory of one (e.g. the paper's 25,000 tokens as tokens_per_batch=3125 x 8).
+  config.grad_accum_steps = 1
+
   # --- Optimisation -----------------------------------------------------------------------
   # Total optimiser steps.
   config.num_train_steps = 1000

@@ -456,7 +456,8 @@ def test_padding_fraction_below_fixed_and_token_budget(split):
 def test_train_iterator_from_config(split):
   config = ml_collections.ConfigDict({'batching': 'packed', 'max_source_length': 48,
                                       'max_target_length': PACK_LENGTH,
-                                      'tokens_per_batch': PACK_TOKENS, 'seed': SEED})
+                                      'tokens_per_batch': PACK_TOKENS, 'seed': SEED,
+                                      'grad_accum_steps': 1})
   iterator = train_lib._make_train_iterator(config, split)
   batch = next(iterator)
   rows = PACK_TOKENS // PACK_LENGTH // jax.local_device_count() * jax.local_device_count()

@@ -66,9 +66,10 @@ _LAYOUTS = textwrap.dedent('''
     batch['inputs'][:, 15:] = 0   # Padding, so masking takes part.
     batch['targets'][3:, 12:] = 0
 
-    def trainer_for(mesh_shape, devices=None, model=model_config):
+    def trainer_for(mesh_shape, devices=None, model=model_config, grad_accum_steps=1):
       layout_config = config.copy_and_resolve_references()
       layout_config.mesh_shape = mesh_shape  # By config alone, unless devices are given.
+      layout_config.grad_accum_steps = grad_accum_steps
       mesh = sharding.create_mesh(mesh_shape, devices=devices) if devices else None
       return train_lib.Trainer(layout_config, model, mesh)
 
@@ -76,7 +77,9 @@ _LAYOUTS = textwrap.dedent('''
       return jax.tree_util.tree_map(lambda x: x.sharding.spec, tree)
 
     layouts = {{'one': ((-1, 1, 1), jax.devices()[:1]), 'data': ((8, 1, 1), None),
-               'fsdp': ((1, 8, 1), None), 'tensor': ((2, 1, 4), None)}}
+               'fsdp': ((1, 8, 1), None), 'tensor': ((2, 1, 4), None),
+               # FSDP=8 with the 16 rows as 2 accumulated micro-batches of 8 (one per device).
+               'fsdp_accumulate_2': ((1, 8, 1), None, model_config, 2)}}
     trainers = {{name: trainer_for(*layout) for name, layout in layouts.items()}}
     # Sharded initialisation gives the same values whatever the layout (FSDP: no device ever
     # holds a whole parameter). The other layouts start from a host copy (saves compiles).
@@ -125,7 +128,7 @@ _LAYOUTS = textwrap.dedent('''
     # default tolerances hold: measured max |diff| ~1e-6 on parameters of size ~0.1-1.
     state_1, m_1 = results['one']
     params_1 = jax.device_get(state_1.params)
-    for name in ('data', 'fsdp', 'tensor'):
+    for name in ('data', 'fsdp', 'tensor', 'fsdp_accumulate_2'):
       state_n, m_n = results[name]
       np.testing.assert_allclose(m_n['loss_sum'], m_1['loss_sum'], rtol=1e-5, err_msg=name)
       np.testing.assert_allclose(m_n['grad_norm'], m_1['grad_norm'], rtol=1e-5, err_msg=name)

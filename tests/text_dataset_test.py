@@ -254,3 +254,17 @@ def test_multi30k(tmp_path):
 def test_tensorflow_not_imported(prepared):
   del prepared
   assert 'tensorflow' not in sys.modules
+
+
+def test_split_over_tfds_memory_buffer_prepares_without_tensorflow(tmp_path, monkeypatch):
+  # tfds spills a split of over 1 GB (WMT14's training set is ~1.5 GB) to temporary files
+  # through tf.io.gfile, which needs TensorFlow. Shrink that bound to 100 bytes so this small
+  # corpus crosses it: the dataset must still prepare, in file order, without TensorFlow.
+  from tensorflow_datasets.core import shuffle
+  monkeypatch.setattr(shuffle, 'MAX_MEM_BUFFER_SIZE', 100)
+  src, tgt = _corpus(tmp_path / 'files')
+  name = _prepare(src, tgt, tmp_path / 'tfds', max_chars=MAX_CHARS)
+  sources = tfds.data_source(name, data_dir=str(tmp_path / 'tfds'), try_gcs=False)
+  assert _decoded(sources['train']) == [r[2] for r in TRAIN_ROWS if isinstance(r[2], tuple)]
+  assert shuffle.MAX_MEM_BUFFER_SIZE == 100  # Restored afterwards.
+  assert 'tensorflow' not in sys.modules

@@ -104,3 +104,74 @@ def test_invalid_model_size_names_the_field(tmp_path, data_dir):
 
 # Eight devices equal one: tests/sharding_test.py trains the same tiny model for two steps on
 # one device and on meshes (8, 1, 1), (1, 8, 1) and (2, 1, 4) and compares loss and parameters.
+
+
+@pytest.mark.parametrize('packed', [False, True])
+def test_gradient_accumulation_equals_one_big_batch(tmp_path, packed):
+  config = tiny_config(str(tmp_path))
+  config.learning_rate_scale = 1.0
+  model_config = train_lib.model_config_from(config, vocab_size=40)  # No dropout by default.
+  rng = np.random.default_rng(0)
+  rows = 8
+  # Rows of very different lengths, so the micro-batches hold different numbers of tokens:
+  # only dividing the summed gradient by the whole batch's token count matches one batch.
+  lengths = np.array([1, 14, 3, 16, 2, 9, 16, 5])
+  targets = np.where(np.arange(16) < lengths[:, None], rng.integers(3, 40, (rows, 16)), 0)
+  batch = {'inputs': rng.integers(3, 40, (rows, 24)).astype(np.int32),
+           'targets': targets.astype(np.int32)}
+  if packed:  # Two examples per row where the row has room: segment ids and positions.
+    segments = np.where(np.arange(16) < lengths[:, None], 1 + (np.arange(16) >= 6), 0)
+    batch['targets_segment_ids'] = segments.astype(np.int32)
+    batch['targets_positions'] = np.where(segments == 2, np.arange(16) - 6,
+                                          np.arange(16) * (segments > 0)).astype(np.int32)
+    batch['inputs_segment_ids'] = np.ones((rows, 24), np.int32)
+    batch['inputs_positions'] = np.tile(np.arange(24, dtype=np.int32), (rows, 1))
+  results = {}
+  for k in (1, 4):
+    config.grad_accum_steps = k
+    trainer = train_lib.Trainer(config, model_config)
+    state = trainer.init_state(seed=3)
+    for _ in range(2):  # Two steps: the second starts from the accumulated update.
+      state, metrics = trainer.step(state, batch)
+    results[k] = (jax.device_get(state.params), jax.device_get(metrics))
+  params_1, metrics_1 = results[1]
+  for k in (4,):
+    params_k, metrics_k = results[k]
+    np.testing.assert_allclose(metrics_k['loss_sum'], metrics_1['loss_sum'], rtol=1e-5)
+    assert metrics_k['token_count'] == metrics_1['token_count'] == lengths.sum()
+    np.testing.assert_allclose(metrics_k['grad_norm'], metrics_1['grad_norm'], rtol=1e-4)
+    for got, want in zip(jax.tree.leaves(params_k), jax.tree.leaves(params_1)):
+      np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+  # And the update is not trivially zero: the parameters moved.
+  initial = jax.device_get(train_lib.Trainer(config, model_config).init_state(seed=3).params)
+  moved = max(float(np.max(np.abs(a - b))) for a, b in
+              zip(jax.tree.leaves(params_1), jax.tree.leaves(initial)))
+  assert moved > 1e-4, moved
+
+
+def test_bfloat16_loss_curve_tracks_float32(tmp_path, data_dir):
+  """bf16 activations and matmuls (float32 parameters, softmax and loss) learn like float32."""
+  config = tiny_config(data_dir)
+  config.learning_rate_scale = 0.15
+  config.warmup_steps = 20
+  sources = input_pipeline.load_data_sources(config, data_dir)
+  tokenizer = input_pipeline.load_or_train_tokenizer(config, str(tmp_path), sources['train'])
+  split = input_pipeline.TokenizedSplit.build(sources['train'], tokenizer, config)
+  iterator = input_pipeline.make_train_iterator(split, config, batch_size=16, seed=0)
+  batches = [next(iterator) for _ in range(60)]
+  curves = {}
+  for dtype in ('float32', 'bfloat16'):
+    config.model.dtype = dtype
+    trainer = train_lib.Trainer(config, train_lib.model_config_from(config,
+                                                                    tokenizer.vocab_size))
+    state = trainer.init_state(seed=0)
+    losses = []
+    for batch in batches:
+      state, metrics = trainer.step(state, batch)
+      losses.append(float(metrics['loss_sum'] / metrics['token_count']))
+    curves[dtype] = np.array(losses).reshape(6, 10).mean(axis=1)  # Means of 10 steps.
+    assert all(leaf.dtype == np.float32 for leaf in jax.tree.leaves(state.params))
+  f32, bf16 = curves['float32'], curves['bfloat16']
+  assert f32[-1] < 0.75 * f32[0], f32  # It learns ...
+  np.testing.assert_allclose(bf16, f32, rtol=0.01)  # ... and bf16 stays within 1% all along.
+  assert not np.array_equal(bf16, f32)  # (bf16 really computed something different.)

@@ -271,24 +271,26 @@ def _planned_iterator(split, plan: _EpochPlan, process_index: int, process_count
 
 def make_token_budget_iterator(split, *, tokens_per_batch: int, max_length: int, seed: int,
                                process_index: int = 0, process_count: int = 1,
-                               devices_per_process: int = 1,
+                               devices_per_process: int = 1, micro_batches: int = 1,
                                num_threads: int = 2) -> tuple[grain.DatasetIterator,
                                                               TokenBudgetPlan]:
   """Endless length-bucketed batches of `split` (a TokenizedSplit) and the plan behind them.
 
   `tokens_per_batch` is the global budget of padded tokens per side (the paper: ~25,000).
+  Rows are a multiple of process_count * devices_per_process * micro_batches, so a batch cuts
+  into `micro_batches` gradient-accumulation micro-batches that split evenly over devices.
   """
   source_lengths, target_lengths = split.lengths()
   plan = TokenBudgetPlan(source_lengths, target_lengths, tokens_per_batch=tokens_per_batch,
                          max_length=max_length, seed=seed,
-                         row_multiple=process_count * devices_per_process)
+                         row_multiple=process_count * devices_per_process * micro_batches)
   return _planned_iterator(split, plan, process_index, process_count, num_threads), plan
 
 
 def make_packed_iterator(split, *, length: int, seed: int, rows_per_batch: int | None = None,
                          tokens_per_batch: int | None = None, process_index: int = 0,
                          process_count: int = 1, devices_per_process: int = 1,
-                         num_threads: int = 2,
+                         micro_batches: int = 1, num_threads: int = 2,
                          pool_size: int = _PACKING_POOL_EXAMPLES) -> tuple[
                              grain.DatasetIterator, PackedPlan]:
   """Endless packed batches of `split` (a TokenizedSplit) and the plan behind them.
@@ -296,17 +298,18 @@ def make_packed_iterator(split, *, length: int, seed: int, rows_per_batch: int |
   Every batch is {'inputs', 'targets', 'inputs_segment_ids', 'targets_segment_ids',
   'inputs_positions', 'targets_positions'}, int32 [this process's rows, length]. Give the
   global batch either as `rows_per_batch` or as `tokens_per_batch` (tokens per side; rows =
-  tokens // length, rounded down to a multiple of process_count * devices_per_process). Pairs
-  longer than `length` on either side are left out (`plan.num_excluded`).
+  tokens // length, rounded down to a multiple of process_count * devices_per_process *
+  micro_batches). Pairs longer than `length` on either side are left out (`plan.num_excluded`).
   """
   if (rows_per_batch is None) == (tokens_per_batch is None):
     raise ValueError('give exactly one of rows_per_batch and tokens_per_batch')
-  row_multiple = process_count * devices_per_process
+  row_multiple = process_count * devices_per_process * micro_batches
   if rows_per_batch is None:
     rows_per_batch = rows_for_budget(tokens_per_batch, length, row_multiple)
   elif rows_per_batch < 1 or rows_per_batch % row_multiple:
     raise ValueError(f'rows_per_batch={rows_per_batch} must be a positive multiple of '
-                     f'process_count * devices_per_process = {row_multiple}')
+                     'process_count * devices_per_process * micro_batches = '
+                     f'{row_multiple}')
   source_lengths, target_lengths = split.lengths()
   plan = PackedPlan(source_lengths, target_lengths, rows=rows_per_batch, length=length,
                     seed=seed, pool_size=pool_size)

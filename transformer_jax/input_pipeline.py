@@ -8,6 +8,7 @@ checkpoint so a resumed run sees exactly the batches an uninterrupted run would.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from typing import Any, Iterator
@@ -157,13 +158,15 @@ class TokenizedSplit:
       with np.load(cache_path, allow_pickle=False) as cached:
         if str(cached['fingerprint']) == fingerprint:
           return cls({name: cached[name] for name in cls._FIELDS})
-    sides = {'inputs': [], 'targets': []}
-    for example in read_examples(source):
-      sides['inputs'].append(_text(example, config.data.src_lang))
-      sides['targets'].append(_text(example, config.data.tgt_lang))
-    split = cls.from_sequences(
-        *([ids + [EOS_ID] for ids in tokenizer.encode_batch(sides[side])]
-          for side in ('inputs', 'targets')))
+    # Chunk by chunk, straight into int32 arrays: at WMT14 size (4.5M pairs) lists of Python
+    # ints for a whole split would take ~10 GB; this keeps peak memory near the result's size.
+    chunks = {'inputs': [], 'targets': []}
+    for chunk_start in range(0, len(source), _TOKENIZE_CHUNK):
+      examples = list(read_examples(source, chunk_start, chunk_start + _TOKENIZE_CHUNK))
+      for side, key in (('inputs', config.data.src_lang), ('targets', config.data.tgt_lang)):
+        ids = tokenizer.encode_batch([_text(example, key) for example in examples])
+        chunks[side].append(_flatten([sequence + [EOS_ID] for sequence in ids]))
+    split = cls._from_chunks(chunks)
     if cache_path and jax.process_index() == 0:
       os.makedirs(os.path.dirname(cache_path), exist_ok=True)
       tmp = cache_path + '.tmp.npz'
@@ -174,13 +177,27 @@ class TokenizedSplit:
   @classmethod
   def from_sequences(cls, inputs: list, targets: list) -> 'TokenizedSplit':
     """From per-example id sequences (EOS included): example i is (inputs[i], targets[i])."""
+    return cls._from_chunks({'inputs': [_flatten(inputs)], 'targets': [_flatten(targets)]})
+
+  @classmethod
+  def _from_chunks(cls, chunks: dict[str, list]) -> 'TokenizedSplit':
     arrays = {}
-    for side, sequences in (('inputs', inputs), ('targets', targets)):
-      lengths = np.array([len(sequence) for sequence in sequences], np.int64)
+    for side, parts in chunks.items():
+      lengths = np.concatenate([np.zeros((0,), np.int64)] + [length for length, _ in parts])
       arrays[f'{side}_offsets'] = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-      arrays[f'{side}_flat'] = (np.concatenate([np.asarray(s, np.int32) for s in sequences])
-                                if len(sequences) else np.zeros((0,), np.int32))
+      arrays[f'{side}_flat'] = np.concatenate([np.zeros((0,), np.int32)]
+                                              + [flat for _, flat in parts])
     return cls(arrays)
+
+
+_TOKENIZE_CHUNK = 65_536
+
+
+def _flatten(sequences: list) -> tuple[np.ndarray, np.ndarray]:
+  """(lengths [n] int64, all ids concatenated [sum(lengths)] int32) of n id sequences."""
+  lengths = np.fromiter((len(sequence) for sequence in sequences), np.int64, len(sequences))
+  flat = np.fromiter(itertools.chain.from_iterable(sequences), np.int32, int(lengths.sum()))
+  return lengths, flat
 
 
 def tokenized_splits(sources: dict, tokenizer: Tokenizer, config: ml_collections.ConfigDict,

@@ -57,11 +57,13 @@ import json
 import logging as python_logging
 import os
 import re
+import sys
 from typing import Iterator
 
 from absl import logging
 from etils import epath
 import tensorflow_datasets as tfds
+from tensorflow_datasets.core import shuffle as tfds_shuffle
 
 from transformer_jax.config import UserInputError
 
@@ -374,6 +376,7 @@ def prepare_text_dataset(*, src_path_by_split: dict[str, str],
           f'{split} files have different line counts: {src} has {len(src_lines):,} lines, '
           f'{tgt} has {len(tgt_lines):,}; line N of one must translate line N of the other')
     pairs_by_split[split], report[split] = _select_pairs(src_lines, tgt_lines, max_chars)
+    del src_data, tgt_data, src_lines, tgt_lines  # Only the kept pairs stay in memory.
     if not pairs_by_split[split]:
       raise UserInputError(
           f'no usable {split} pairs in {src} / {tgt}: '
@@ -392,8 +395,26 @@ def prepare_text_dataset(*, src_path_by_split: dict[str, str],
                 for split, (s, t) in paths.items())),
         data_dir=data_dir, file_format='array_record', src_lang=src_lang,
         tgt_lang=tgt_lang, pairs_by_split=pairs_by_split, report=report)
-  builder.download_and_prepare(
-      file_format='array_record',
-      download_config=tfds.download.DownloadConfig(try_download_gcs=False))
+  with _examples_buffered_in_memory():
+    builder.download_and_prepare(
+        file_format='array_record',
+        download_config=tfds.download.DownloadConfig(try_download_gcs=False))
   last_prepare_report = report
   return name
+
+
+@contextlib.contextmanager
+def _examples_buffered_in_memory():
+  """Keeps tfds's writer from spilling a split's examples to temporary files.
+
+  tfds buffers up to 1 GB of serialized examples per split in memory and writes the rest to
+  temporary bucket files through `tf.io.gfile`, which needs TensorFlow: without this, a split
+  over 1 GB (WMT14's training set: ~1.5 GB) fails to prepare. The examples are already all in
+  memory as strings here, so buffering their serialized form costs about as much again.
+  """
+  saved = tfds_shuffle.MAX_MEM_BUFFER_SIZE
+  tfds_shuffle.MAX_MEM_BUFFER_SIZE = sys.maxsize
+  try:
+    yield
+  finally:
+    tfds_shuffle.MAX_MEM_BUFFER_SIZE = saved

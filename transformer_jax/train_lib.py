@@ -81,27 +81,55 @@ def compute_metrics(logits, targets, weights, label_smoothing):
 
 
 def train_step(state: TrainState, batch: dict, *, model: Transformer, learning_rate_fn,
-               label_smoothing: float) -> tuple[TrainState, dict]:
+               label_smoothing: float, grad_accum_steps: int = 1) -> tuple[TrainState, dict]:
   """One optimiser step on a batch {'inputs': [b, s], 'targets': [b, t]} (int32, 0 = pad).
 
   A packed batch also has 'inputs_segment_ids', 'targets_segment_ids', 'inputs_positions' and
   'targets_positions' (see batching.make_packed_iterator); the model then keeps its examples
   apart and the decoder inputs are shifted per example.
+
+  With grad_accum_steps = k > 1 the batch is cut into k micro-batches of b/k rows, run one
+  after another (a `lax.scan`, so activations of only one are alive at a time); their summed
+  gradient, divided by the whole batch's token count, is exactly the gradient of the batch.
   """
-  inputs, targets = batch['inputs'], batch['targets']
-  weights = (targets != PAD_ID).astype(jnp.float32)
   dropout_rng = jax.random.fold_in(state.dropout_rng, state.step)
-  packing = batching.packing_model_args(batch)
-  decoder_inputs = shift_right(targets, packing.get('tgt_segment_ids'))
 
-  def loss_fn(params):
-    logits = model.apply({'params': params}, inputs, decoder_inputs, deterministic=False,
-                         rngs={'dropout': dropout_rng}, **packing)
-    metrics = compute_metrics(logits, targets, weights, label_smoothing)
-    # Mean over the real tokens of the whole (global) batch.
-    return metrics['loss_sum'] / jnp.maximum(metrics['token_count'], 1.0), metrics
+  def loss_sum_and_metrics(params, micro_batch, rng):
+    targets = micro_batch['targets']
+    packing = batching.packing_model_args(micro_batch)
+    logits = model.apply({'params': params}, micro_batch['inputs'],
+                         shift_right(targets, packing.get('tgt_segment_ids')),
+                         deterministic=False, rngs={'dropout': rng}, **packing)
+    metrics = compute_metrics(logits, targets, (targets != PAD_ID).astype(jnp.float32),
+                              label_smoothing)
+    return metrics['loss_sum'], metrics
 
-  grads, metrics = jax.grad(loss_fn, has_aux=True)(state.params)
+  grad_fn = jax.grad(loss_sum_and_metrics, has_aux=True)
+  if grad_accum_steps == 1:
+    grads, metrics = grad_fn(state.params, batch, dropout_rng)
+  else:
+    # [b, ...] -> [k, b/k, ...], micro-batch j = rows j, j+k, j+2k, ...: each device's
+    # contiguous block of rows holds its share of every micro-batch, so no data moves.
+    micro_batches = jax.tree_util.tree_map(
+        lambda x: jnp.moveaxis(x.reshape(x.shape[0] // grad_accum_steps, grad_accum_steps,
+                                         *x.shape[1:]), 1, 0), batch)
+
+    def accumulate(totals, micro):
+      micro_batch, index = micro
+      grads_and_metrics = grad_fn(state.params, micro_batch,
+                                  jax.random.fold_in(dropout_rng, index))
+      return jax.tree_util.tree_map(jnp.add, totals, grads_and_metrics), None
+
+    # Accumulators: gradients like the parameters (and so sharded like them under FSDP).
+    metric_shapes = jax.eval_shape(grad_fn, state.params,
+                                   jax.tree_util.tree_map(lambda x: x[0], micro_batches),
+                                   dropout_rng)[1]
+    zeros = (jax.tree_util.tree_map(jnp.zeros_like, state.params),
+             jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), metric_shapes))
+    (grads, metrics), _ = jax.lax.scan(accumulate, zeros,
+                                       (micro_batches, jnp.arange(grad_accum_steps)))
+  # The gradient of the mean loss over the real tokens of the whole (global) batch.
+  grads = jax.tree_util.tree_map(lambda g: g / jnp.maximum(metrics['token_count'], 1.0), grads)
   grad_norm = optax.tree.norm(grads)
   finite = jnp.isfinite(metrics['loss_sum']) & jnp.isfinite(grad_norm)
   updated = state.apply_gradients(grads=grads)
@@ -162,7 +190,8 @@ class Trainer:
     replicated = sharding.replicated(self.mesh)
     self.train_step = jax.jit(
         functools.partial(train_step, model=self.model, learning_rate_fn=self.learning_rate_fn,
-                          label_smoothing=config.label_smoothing),
+                          label_smoothing=config.label_smoothing,
+                          grad_accum_steps=config.grad_accum_steps),
         in_shardings=(self.state_shardings, self.batch_sharding),
         out_shardings=(self.state_shardings, replicated), donate_argnums=(0,))
     self.eval_step = jax.jit(
@@ -306,7 +335,7 @@ def _validate(config: ml_collections.ConfigDict) -> None:
   for name in ('per_device_batch_size', 'num_train_steps', 'log_every_steps',
                'eval_every_steps', 'checkpoint_every_steps', 'keep_checkpoints',
                'max_source_length', 'max_target_length', 'vocab_size', 'eval_batch_size',
-               'warmup_steps'):
+               'warmup_steps', 'grad_accum_steps'):
     value = config[name]
     if not isinstance(value, int) or value <= 0:
       raise UserInputError(f'config.{name} must be a positive integer, got {value!r}')
@@ -323,15 +352,16 @@ def _make_train_iterator(config: ml_collections.ConfigDict, split):
   packed rows."""
   if config.batching == 'fixed':
     return input_pipeline.make_train_iterator(
-        split, config, batch_size=config.per_device_batch_size * jax.local_device_count(),
+        split, config, batch_size=(config.per_device_batch_size * jax.local_device_count()
+                                   * config.grad_accum_steps),
         seed=config.seed, process_index=jax.process_index(),
         process_count=jax.process_count())
   if config.batching == 'tokens':
     iterator, plan = batching.make_token_budget_iterator(
-        split, tokens_per_batch=config.tokens_per_batch,
+        split, tokens_per_batch=config.tokens_per_batch * config.grad_accum_steps,
         max_length=max(config.max_source_length, config.max_target_length), seed=config.seed,
         process_index=jax.process_index(), process_count=jax.process_count(),
-        devices_per_process=jax.local_device_count())
+        devices_per_process=jax.local_device_count(), micro_batches=config.grad_accum_steps)
     log(f'token-budget batches: buckets {plan.buckets}, rows {plan.rows}, '
         f'{len(plan.epoch(0))} batches per epoch, padding '
         f'{plan.padding_fraction(0):.1%}, '
@@ -340,9 +370,10 @@ def _make_train_iterator(config: ml_collections.ConfigDict, split):
   if config.batching == 'packed':
     length = max(config.max_source_length, config.max_target_length)
     iterator, plan = batching.make_packed_iterator(
-        split, tokens_per_batch=config.tokens_per_batch, length=length, seed=config.seed,
-        process_index=jax.process_index(), process_count=jax.process_count(),
-        devices_per_process=jax.local_device_count())
+        split, tokens_per_batch=config.tokens_per_batch * config.grad_accum_steps,
+        length=length, seed=config.seed, process_index=jax.process_index(),
+        process_count=jax.process_count(), devices_per_process=jax.local_device_count(),
+        micro_batches=config.grad_accum_steps)
     log(f'packed batches: {plan.rows} rows of {length} tokens, {len(plan.epoch(0))} batches '
         f'per epoch, {plan.examples_per_row(0):.2f} pairs per row, padding '
         f'{plan.padding_fraction(0):.1%}, '
