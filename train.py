@@ -9,7 +9,7 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
-from transformer_jax import train_lib
+from transformer_jax import sharding, train_lib
 from transformer_jax.checkpointing import CorruptCheckpointError
 from transformer_jax.config import UserInputError
 from transformer_jax.metric_writers import quiet_library_logs
@@ -18,6 +18,15 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string('workdir', None, 'Directory for checkpoints, vocabulary, config and logs.')
 config_flags.DEFINE_config_file('config', 'configs/default.py', 'Training configuration file.',
                                 lock_config=True)
+flags.DEFINE_string('coordinator_address', None,
+                    'host:port of process 0, to run as one of several processes (multi-GPU '
+                    'hosts, processes launched by hand); needs --num_processes, --process_id.')
+flags.DEFINE_integer('num_processes', None, 'Number of processes in the job.')
+flags.DEFINE_integer('process_id', None, 'This process\'s index in the job (0 writes logs).')
+flags.DEFINE_bool('jax_distributed', False,
+                  'Call jax.distributed.initialize() and let it find the other processes '
+                  '(Cloud TPU, SLURM, Open MPI). Automatic where the environment shows a '
+                  'multi-process job.')
 flags.mark_flags_as_required(['workdir'])
 
 
@@ -26,6 +35,8 @@ def main(argv):
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   quiet_library_logs()
   try:
+    sharding.initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes,
+                                    FLAGS.process_id, force=FLAGS.jax_distributed)
     train_lib.train_and_evaluate(FLAGS.config, FLAGS.workdir)
   except (UserInputError, FileNotFoundError) as error:
     # A mistake in what was given, not a bug: one line, no traceback, non-zero exit.

@@ -109,17 +109,23 @@ def test_lock_is_released_when_its_process_is_killed(tmp_path):
   WorkdirLock(str(tmp_path)).acquire().release()  # No stale lock after kill -9.
 
 
+def _tiny_train_command(workdir, data_dir) -> list[str]:
+  """train.py on the tiny task and model (seconds on one core); steps and intervals to add."""
+  return [sys.executable, 'train.py', f'--workdir={workdir}', f'--config.data_dir={data_dir}',
+          '--config.dataset=number_words/tiny', '--config.vocab_size=96',
+          '--config.model.d_model=32', '--config.model.d_ff=64',
+          '--config.model.num_heads=2', '--config.model.num_encoder_layers=1',
+          '--config.model.num_decoder_layers=1', '--config.model.max_len=32',
+          '--config.per_device_batch_size=16', '--config.eval_every_steps=100000',
+          '--config.eval_decode_examples=0', '--config.eval_batch_size=32',
+          '--config.final_test_decode=False']
+
+
 def test_sigterm_saves_a_checkpoint_and_exits_zero(tmp_path, data_dir):
   workdir = str(tmp_path / 'run')
-  command = [sys.executable, 'train.py', f'--workdir={workdir}', f'--config.data_dir={data_dir}',
-             '--config.dataset=number_words/tiny', '--config.vocab_size=96',
-             '--config.model.d_model=32', '--config.model.d_ff=64',
-             '--config.model.num_heads=2', '--config.model.num_encoder_layers=1',
-             '--config.model.num_decoder_layers=1', '--config.model.max_len=32',
-             '--config.per_device_batch_size=16', '--config.num_train_steps=100000',
-             '--config.log_every_steps=5', '--config.eval_every_steps=100000',
-             '--config.checkpoint_every_steps=100000', '--config.eval_decode_examples=0',
-             '--config.eval_batch_size=32', '--config.final_test_decode=False']
+  command = _tiny_train_command(workdir, data_dir) + [
+      '--config.num_train_steps=100000', '--config.log_every_steps=5',
+      '--config.checkpoint_every_steps=100000']
   process = subprocess.Popen(command, cwd=REPO_ROOT, stderr=subprocess.PIPE, text=True)
   log = []
   for line in process.stderr:
@@ -193,3 +199,69 @@ def test_translate_reports_a_damaged_checkpoint_in_one_line(tmp_path, data_dir):
   assert result.returncode == 2
   errors = [l for l in result.stderr.decode().splitlines() if l.startswith('error: ')]
   assert len(errors) == 1 and 'checkpoint step 4' in errors[0] and 'damaged' in errors[0]
+
+
+def _latest_completed_step(checkpoint_dir) -> int:
+  """The newest step orbax has finalised (renamed from its temporary directory), or 0."""
+  names = os.listdir(checkpoint_dir) if os.path.isdir(checkpoint_dir) else []
+  return max([int(name) for name in names if name.isdigit()], default=0)
+
+
+def test_kill_9_at_random_moments_then_resume_equals_uninterrupted(tmp_path, data_dir):
+  """SIGKILL at random moments (start-up, mid-step, mid-save), restarting each time: the run
+  always resumes from its latest complete checkpoint and ends bitwise equal to an
+  uninterrupted run with the same seed."""
+  steps = 150
+  # A checkpoint every 10 steps (written asynchronously while training goes on, each taking
+  # longer than the 10 steps), so most kills land during a save; 3 kept, so old ones are
+  # being deleted too.
+  flags = [f'--config.num_train_steps={steps}', '--config.checkpoint_every_steps=10',
+           '--config.keep_checkpoints=3', '--config.log_every_steps=5']
+  reference = subprocess.run(_tiny_train_command(tmp_path / 'reference', data_dir) + flags,
+                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+  assert reference.returncode == 0, reference.stderr[-3000:]
+
+  workdir = tmp_path / 'killed'
+  checkpoints = workdir / 'checkpoints'
+  rng = np.random.default_rng(20261130)
+  kills, steps_at_kill, cut_saves = 0, [], 0
+  for attempt in range(7):
+    log_path = tmp_path / f'attempt{attempt}.log'
+    with open(log_path, 'w') as log:  # A file, not a pipe: nothing can block on it.
+      process = subprocess.Popen(_tiny_train_command(workdir, data_dir) + flags, cwd=REPO_ROOT,
+                                 stdout=subprocess.DEVNULL, stderr=log)
+    if attempt == 0:  # The first kill lands in start-up (data, vocabulary, compilation).
+      time.sleep(float(rng.uniform(1.0, 3.0)))
+    elif attempt < 6:
+      # Five more at a random moment once this attempt has completed a checkpoint of its own
+      # (so each makes progress): mid-step, mid-save or mid-deletion of an old checkpoint.
+      done_before = _latest_completed_step(checkpoints)
+      deadline = time.time() + 120
+      while _latest_completed_step(checkpoints) <= done_before and process.poll() is None:
+        assert time.time() < deadline, 'no checkpoint completed within 120 s'
+        time.sleep(0.05)
+      time.sleep(float(rng.uniform(0.0, 2.0)))
+    else:  # Then it may finish.
+      assert process.wait(timeout=300) == 0, log_path.read_text()[-3000:]
+      break
+    if process.poll() is None:
+      process.kill()  # SIGKILL: no handler runs, a save in flight is cut off.
+      kills += 1
+    process.wait()
+    cut_saves += any('tmp' in name for name in os.listdir(checkpoints)) \
+        if checkpoints.is_dir() else 0
+    with Checkpointer(str(checkpoints), keep=None) as checkpointer:
+      steps_at_kill.append(checkpointer.latest_step())
+  assert kills == 6, steps_at_kill
+  # Kills came after checkpoints existed, at different steps: resuming was tested each time.
+  assert len({step for step in steps_at_kill if step}) >= 3, steps_at_kill
+  print(f'{kills} kills ({cut_saves} left a save unfinished); latest complete checkpoint at '
+        f'each kill: {steps_at_kill}')
+
+  final = {}
+  for name in ('reference', 'killed'):
+    with Checkpointer(str(tmp_path / name / 'checkpoints'), keep=None) as checkpointer:
+      assert checkpointer.latest_step() == steps
+      final[name] = checkpointer.restore_params_to_host(steps)
+  for got, want in zip(jax.tree.leaves(final['killed']), jax.tree.leaves(final['reference'])):
+    np.testing.assert_array_equal(got, want)

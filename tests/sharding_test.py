@@ -178,3 +178,24 @@ def test_layouts_equal_one_device_and_checkpoints_move_between_them():
   divisibility_log = result.stderr.split('divisibility check')[-1]
   assert "'heads' of size 4 is not divisible by mesh axes tensor=8" in divisibility_log, (
       result.stderr[-3000:])
+
+
+@pytest.mark.parametrize('name, value, several', [
+    ('SLURM_NTASKS', '4', True), ('SLURM_NTASKS', '1', False),
+    ('OMPI_COMM_WORLD_SIZE', '2', True), ('TPU_WORKER_HOSTNAMES', 'w-0,w-1', True),
+    ('TPU_WORKER_HOSTNAMES', 'localhost', False), ('JAX_COORDINATOR_ADDRESS', '10.0.0.1:1234', True),
+])
+def test_multiprocess_environment_is_detected(monkeypatch, name, value, several):
+  for variable, _ in sharding._CLUSTER_ENV:
+    monkeypatch.delenv(variable, raising=False)
+  assert sharding.multiprocess_environment() is None
+  # A single-process run never starts the distributed runtime.
+  assert sharding.initialize_distributed() is False
+  monkeypatch.setenv(name, value)
+  assert sharding.multiprocess_environment() == (name if several else None)
+
+
+def test_coordinator_address_needs_process_count_and_id():
+  from transformer_jax.config import UserInputError
+  with pytest.raises(UserInputError, match='--coordinator_address needs --num_processes'):
+    sharding.initialize_distributed('127.0.0.1:1234', num_processes=2)

@@ -21,6 +21,7 @@ replicated instead (logged once per logical name), e.g. 4 heads on tensor=8.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable, Sequence
 
 import flax.linen as nn
@@ -28,6 +29,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from transformer_jax.config import UserInputError
 from transformer_jax.metric_writers import log
 
 MESH_AXES = ('data', 'fsdp', 'tensor')
@@ -186,3 +188,47 @@ def sharded_init(init_fn: Callable[..., Any], mesh: Mesh, rules: Rules, *args,
   with jax.set_mesh(mesh):
     values = jax.jit(lambda *a: _unbox(init_fn(*a)), out_shardings=shardings)(*args)
   return values, shardings
+
+
+# Environment variables by which a cluster manager says this process is one of several:
+# (name, value -> whether it means more than one process).
+_CLUSTER_ENV = (
+    ('JAX_COORDINATOR_ADDRESS', bool),  # set by hand, or by launchers that speak JAX
+    ('SLURM_NTASKS', lambda value: value.isdigit() and int(value) > 1),
+    ('OMPI_COMM_WORLD_SIZE', lambda value: value.isdigit() and int(value) > 1),
+    ('TPU_WORKER_HOSTNAMES', lambda value: ',' in value),  # Cloud TPU slice of several hosts
+    ('MEGASCALE_COORDINATOR_ADDRESS', bool),  # Cloud TPU multislice
+)
+
+
+def multiprocess_environment() -> str | None:
+  """The variable that shows this process is one of several, or None."""
+  for name, means_several in _CLUSTER_ENV:
+    value = os.environ.get(name)
+    if value is not None and means_several(value):
+      return name
+  return None
+
+
+def initialize_distributed(coordinator_address: str | None = None,
+                           num_processes: int | None = None, process_id: int | None = None,
+                           force: bool = False) -> bool:
+  """Starts JAX's distributed runtime when this is one process of several; True if it did.
+
+  Explicit arguments (a multi-GPU host, or processes launched by hand) take precedence;
+  otherwise `jax.distributed.initialize()` finds its peers itself (Cloud TPU, SLURM, Open MPI)
+  when the environment shows a multi-process job, or when `force` is set. Must run before
+  anything touches a device.
+  """
+  if coordinator_address:
+    if num_processes is None or process_id is None:
+      raise UserInputError('--coordinator_address needs --num_processes and --process_id too')
+    jax.distributed.initialize(coordinator_address, num_processes=num_processes,
+                               process_id=process_id)
+  elif force or multiprocess_environment():
+    jax.distributed.initialize()
+  else:
+    return False
+  log(f'process {jax.process_index()} of {jax.process_count()}: '
+      f'{jax.local_device_count()} local of {jax.device_count()} devices')
+  return True

@@ -237,6 +237,12 @@ class Trainer:
     return {key: jax.make_array_from_process_local_data(self.batch_sharding, value)
             for key, value in local_batch.items()}
 
+  def global_batch_from_full(self, full_batch: dict) -> dict:
+    """A batch every process holds whole (evaluation) -> global arrays, each device its rows."""
+    return {key: jax.make_array_from_callback(np.shape(value), self.batch_sharding,
+                                              lambda index, value=value: value[index])
+            for key, value in full_batch.items()}
+
   def step(self, state, local_batch):
     with jax.set_mesh(self.mesh), nn.logical_axis_rules(self.rules):
       return self.train_step(state, self.global_batch(local_batch))
@@ -245,7 +251,7 @@ class Trainer:
     totals: dict[str, Any] = {}
     with jax.set_mesh(self.mesh), nn.logical_axis_rules(self.rules):
       for batch in batches:
-        metrics = self.eval_step(params, self.global_batch(batch))
+        metrics = self.eval_step(params, self.global_batch_from_full(batch))
         totals = metrics if not totals else jax.tree_util.tree_map(jnp.add, totals, metrics)
     totals = jax.device_get(totals)
     count = max(float(totals['token_count']), 1.0)
@@ -257,7 +263,7 @@ class Trainer:
     outputs = []
     with jax.set_mesh(self.mesh), nn.logical_axis_rules(self.rules):
       for batch in batches:
-        src = self.global_batch({'inputs': batch['inputs']})['inputs']
+        src = self.global_batch_from_full({'inputs': batch['inputs']})['inputs']
         tokens = np.asarray(jax.device_get(self.greedy_decode(params, src)))
         outputs.extend(strip_after_eos(tokens, EOS_ID, pad_id=PAD_ID))
     return outputs
@@ -384,27 +390,36 @@ def _make_train_iterator(config: ml_collections.ConfigDict, split):
 
 
 class _PreemptionFlag:
-  """Set by SIGTERM/SIGINT; the loop checks it between steps, saves and exits cleanly."""
+  """Set by SIGTERM/SIGINT; the loop checks it between steps, saves and exits cleanly.
+
+  With several processes every one must stop at the same step, to save collectively. JAX's
+  distributed runtime owns SIGTERM then: it passes a preemption notice received by any process
+  to all of them, and `reached_preemption_sync_point` turns true on all at one step. So only
+  SIGINT is caught here, and handed to that runtime as a SIGTERM.
+  """
 
   def __init__(self):
     self.signal_name = None
     self._previous = {}
 
   def __enter__(self):
-    for signum in (signal.SIGTERM, signal.SIGINT):
+    self._multiprocess = jax.process_count() > 1
+    signals = (signal.SIGINT,) if self._multiprocess else (signal.SIGTERM, signal.SIGINT)
+    for signum in signals:
       self._previous[signum] = signal.signal(signum, self._handle)
     return self
 
   def _handle(self, signum, frame):
     del frame
     self.signal_name = signal.Signals(signum).name
+    if self._multiprocess:
+      # Restore JAX's SIGTERM handling (it was never replaced) and raise the notice there.
+      os.kill(os.getpid(), signal.SIGTERM)
 
   def should_stop(self, step: int) -> bool:
-    if jax.process_count() > 1:
-      # Every process must stop at the same step to save collectively.
-      from jax.experimental import multihost_utils
-      return bool(multihost_utils.reached_preemption_sync_point(step)) or (
-          self.signal_name is not None)
+    if self._multiprocess:
+      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+      return bool(multihost_utils.reached_preemption_sync_point(step))
     return self.signal_name is not None
 
   def __exit__(self, *exc):
@@ -420,7 +435,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   """
   _validate(config)
   workdir = os.path.abspath(workdir)
-  with WorkdirLock(workdir), _PreemptionFlag() as preemption:
+  with WorkdirLock(workdir, jax.process_index()), _PreemptionFlag() as preemption:
     return _train_and_evaluate(config, workdir, preemption)
 
 

@@ -18,8 +18,11 @@ LOCK_FILE = '.lock'
 class WorkdirLock:
   """Context manager: `with WorkdirLock(workdir): train...`; refuses if another process holds it."""
 
-  def __init__(self, workdir: str):
-    self.path = os.path.join(workdir, LOCK_FILE)
+  def __init__(self, workdir: str, process_index: int = 0):
+    # Process 0 of a multi-process job takes the same lock as a single-process run; the
+    # others (which may share the workdir on one machine) each take their own.
+    self.path = os.path.join(workdir, LOCK_FILE if process_index == 0
+                             else f'{LOCK_FILE}.process{process_index}')
     self._file = None
 
   def acquire(self) -> 'WorkdirLock':
