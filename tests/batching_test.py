@@ -326,3 +326,32 @@ def test_planned_batches_use_global_counter(data):
                               plan.buckets[bucket])
   for side in ('inputs', 'targets'):
     np.testing.assert_array_equal(batch[side], expected[side])
+
+
+def _reference_epoch(plan, epoch):
+  """The plan's specification, one example at a time: shuffle; sort pools by length; append
+  each example to its bucket's batch, emitting it when full; leftovers last; shuffle batches."""
+  rng = np.random.default_rng([plan.seed, epoch])
+  order = rng.permutation(plan.eligible)
+  pool_size = batching._POOL_BATCHES * max(plan.rows)
+  pending, batches = {}, []
+  for start in range(0, len(order), pool_size):
+    pool = order[start:start + pool_size]
+    for index in pool[np.argsort(plan.lengths[pool], kind='stable')]:
+      bucket = plan.bucket_of(int(plan.lengths[index]))
+      pending.setdefault(bucket, []).append(int(index))
+      if len(pending[bucket]) == plan.rows[bucket]:
+        batches.append((bucket, pending.pop(bucket)))
+  batches += [(bucket, members) for bucket, members in sorted(pending.items()) if members]
+  return [batches[i] for i in rng.permutation(len(batches))]
+
+
+@pytest.mark.parametrize('seed, epoch', [(SEED, 0), (SEED, 3), (11, 1)])
+def test_plan_equals_its_per_example_specification(data, seed, epoch):
+  # Small pools, so batches carry leftovers from one pool into the next.
+  plan = _plan(data, seed=seed, tokens=256)
+  got, want = plan.epoch(epoch), _reference_epoch(plan, epoch)
+  assert len(got) == len(want)
+  for (bucket, members), (want_bucket, want_members) in zip(got, want):
+    assert bucket == want_bucket
+    np.testing.assert_array_equal(members, want_members)

@@ -166,23 +166,36 @@ def _damage(checkpoint_dir, step, how):
       f.write(bytes(data))
 
 
+@pytest.fixture(scope='module')
+def straight_run(tmp_path_factory, data_dir):
+  """8 uninterrupted steps of the tiny config (checkpoints at 4 and 8)."""
+  workdir = str(tmp_path_factory.mktemp('straight'))
+  train_lib.train_and_evaluate(tiny_config(data_dir), workdir)
+  return workdir
+
+
 @pytest.mark.parametrize('how', ['truncate', 'flip'])
-def test_damaged_checkpoint_is_named_and_training_falls_back(tmp_path, data_dir, how):
+def test_damaged_checkpoint_is_named_and_training_falls_back(tmp_path, data_dir, straight_run,
+                                                             how):
   from transformer_jax.checkpointing import CorruptCheckpointError
-  config = tiny_config(data_dir)  # 8 steps, checkpoints at 4 and 8.
-  straight, damaged = str(tmp_path / 'straight'), str(tmp_path / 'damaged')
-  train_lib.train_and_evaluate(config, straight)
+  from transformer_jax.translate import Translator
+  config = tiny_config(data_dir)
+  damaged = str(tmp_path / 'damaged')
+  # Stopped at 4, then resumed to 8 with changed safe fields (steps, logging): allowed.
+  config.num_train_steps = 4
+  train_lib.train_and_evaluate(config, damaged)
+  config.num_train_steps, config.log_every_steps = 8, 2
   train_lib.train_and_evaluate(config, damaged)
   _damage(os.path.join(damaged, 'checkpoints'), 8, how)
 
-  from transformer_jax.translate import Translator
   with pytest.raises(CorruptCheckpointError,
                      match=f'checkpoint step 8 at {damaged}/checkpoints/8 is damaged'):
     Translator.from_checkpoint(damaged, 'latest')
 
-  # Training again falls back to step 4 and retrains steps 5..8: same result as never damaged.
+  # Training again falls back to step 4 and retrains steps 5..8: the resumed run, twice over,
+  # is bitwise the uninterrupted one.
   train_lib.train_and_evaluate(config, damaged)
-  a = Translator.from_checkpoint(straight, 8).params
+  a = Translator.from_checkpoint(straight_run, 8).params
   b = Translator.from_checkpoint(damaged, 8).params
   for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
@@ -211,29 +224,34 @@ def test_kill_9_at_random_moments_then_resume_equals_uninterrupted(tmp_path, dat
   """SIGKILL at random moments (start-up, mid-step, mid-save), restarting each time: the run
   always resumes from its latest complete checkpoint and ends bitwise equal to an
   uninterrupted run with the same seed."""
-  steps = 150
+  steps = 100
   # A checkpoint every 10 steps (written asynchronously while training goes on, each taking
   # longer than the 10 steps), so most kills land during a save; 3 kept, so old ones are
   # being deleted too.
   flags = [f'--config.num_train_steps={steps}', '--config.checkpoint_every_steps=10',
            '--config.keep_checkpoints=3', '--config.log_every_steps=5']
+  # Compiling dominates each start; XLA's CPU backend compiles ~2x faster at optimisation
+  # level 0, and every run here uses the same flags, so bitwise equality is unaffected.
+  env = dict(os.environ, XLA_FLAGS='--xla_backend_optimization_level=0 '
+                                   '--xla_llvm_disable_expensive_passes=true')
   reference = subprocess.run(_tiny_train_command(tmp_path / 'reference', data_dir) + flags,
-                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+                             env=env)
   assert reference.returncode == 0, reference.stderr[-3000:]
 
   workdir = tmp_path / 'killed'
   checkpoints = workdir / 'checkpoints'
   rng = np.random.default_rng(20261130)
   kills, steps_at_kill, cut_saves = 0, [], 0
-  for attempt in range(7):
+  for attempt in range(5):
     log_path = tmp_path / f'attempt{attempt}.log'
     with open(log_path, 'w') as log:  # A file, not a pipe: nothing can block on it.
       process = subprocess.Popen(_tiny_train_command(workdir, data_dir) + flags, cwd=REPO_ROOT,
-                                 stdout=subprocess.DEVNULL, stderr=log)
+                                 stdout=subprocess.DEVNULL, stderr=log, env=env)
     if attempt == 0:  # The first kill lands in start-up (data, vocabulary, compilation).
       time.sleep(float(rng.uniform(1.0, 3.0)))
-    elif attempt < 6:
-      # Five more at a random moment once this attempt has completed a checkpoint of its own
+    elif attempt < 4:
+      # Three more at a random moment once this attempt has completed a checkpoint of its own
       # (so each makes progress): mid-step, mid-save or mid-deletion of an old checkpoint.
       done_before = _latest_completed_step(checkpoints)
       deadline = time.time() + 120
@@ -252,9 +270,9 @@ def test_kill_9_at_random_moments_then_resume_equals_uninterrupted(tmp_path, dat
         if checkpoints.is_dir() else 0
     with Checkpointer(str(checkpoints), keep=None) as checkpointer:
       steps_at_kill.append(checkpointer.latest_step())
-  assert kills == 6, steps_at_kill
+  assert kills == 4, steps_at_kill
   # Kills came after checkpoints existed, at different steps: resuming was tested each time.
-  assert len({step for step in steps_at_kill if step}) >= 3, steps_at_kill
+  assert len({step for step in steps_at_kill if step}) == 3, steps_at_kill
   print(f'{kills} kills ({cut_saves} left a save unfinished); latest complete checkpoint at '
         f'each kill: {steps_at_kill}')
 

@@ -169,3 +169,19 @@ def test_translate_is_interactive_on_a_terminal(trained_workdir):
     if process.poll() is None:
       process.kill()
     os.close(leader)
+
+
+def test_plot_attention_command_draws_a_png(trained_workdir, tmp_path):
+  pytest.importorskip('matplotlib')
+  workdir, _ = trained_workdir
+  out = tmp_path / 'attention.png'
+  result = _run(['-m', 'transformer_jax.plot_attention', f'--workdir={workdir}',
+                 '--text=seven hundred one', f'--out={out}', '--layers=1'])
+  assert result.returncode == 0, result.stderr.decode()[-3000:]
+  assert out.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+  assert 'cross attention, ' in result.stdout.decode() and str(out) in result.stdout.decode()
+  bad = _run(['-m', 'transformer_jax.plot_attention', f'--workdir={workdir}', '--text=one',
+              f'--out={out}', '--layers=7'])
+  assert bad.returncode == 2
+  assert bad.stderr.decode().strip().splitlines()[-1] == (
+      'error: --layers: layer 7 does not exist (the model has 1, numbered from 1)')

@@ -129,17 +129,22 @@ class TokenBudgetPlan(_EpochPlan):
     for start in range(0, len(order), pool_size):
       pool = order[start:start + pool_size]
       pool = pool[np.argsort(self.lengths[pool], kind='stable')]
-      for index in pool:
-        bucket = self.bucket_of(int(self.lengths[index]))
-        members = pending.setdefault(bucket, [])
-        members.append(int(index))
-        if len(members) == self.rows[bucket]:
-          batches.append((bucket, np.asarray(members)))
-          pending[bucket] = []
+      # Sorted by length, the pool is a run of examples per bucket, in bucket order. Each run
+      # tops up that bucket's pending examples and is cut into full batches of its rows; the
+      # rest waits for the next pool. (Array slicing, not a loop per example: at WMT14 size,
+      # 4.5M pairs, an epoch plans in well under a second.)
+      pool_buckets = np.searchsorted(self.buckets, self.lengths[pool], side='left')
+      for run in np.split(pool, np.flatnonzero(np.diff(pool_buckets)) + 1):
+        bucket = self.bucket_of(int(self.lengths[run[0]]))
+        members = np.concatenate([pending.get(bucket, run[:0]), run])
+        rows = self.rows[bucket]
+        full = len(members) // rows * rows
+        batches.extend((bucket, members[i:i + rows]) for i in range(0, full, rows))
+        pending[bucket] = members[full:]
     # Leftovers become partly empty batches, so every example is seen once per epoch.
     for bucket, members in sorted(pending.items()):
-      if members:
-        batches.append((bucket, np.asarray(members)))
+      if len(members):
+        batches.append((bucket, members))
     return [batches[i] for i in rng.permutation(len(batches))]
 
   def local_batch(self, split, batch: tuple[int, np.ndarray], process_index: int,

@@ -376,11 +376,11 @@ def prepare_text_dataset(*, src_path_by_split: dict[str, str],
           f'{split} files have different line counts: {src} has {len(src_lines):,} lines, '
           f'{tgt} has {len(tgt_lines):,}; line N of one must translate line N of the other')
     pairs_by_split[split], report[split] = _select_pairs(src_lines, tgt_lines, max_chars)
-    del src_data, tgt_data, src_lines, tgt_lines  # Only the kept pairs stay in memory.
     if not pairs_by_split[split]:
       raise UserInputError(
           f'no usable {split} pairs in {src} / {tgt}: '
           + (_summary(report[split], max_chars) if src_lines else 'the files are empty'))
+    del src_data, tgt_data, src_lines, tgt_lines  # Only the kept pairs stay in memory.
 
   for split, counts in report.items():
     logging.info('%s: %s (%s)', split, _summary(counts, max_chars), name)

@@ -9,6 +9,8 @@ terminal, translates each line as it is typed.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import os
 import sys
@@ -29,7 +31,7 @@ from transformer_jax.config import TransformerConfig, UserInputError
 from transformer_jax.decode import strip_after_eos
 from transformer_jax.metric_writers import quiet_library_logs
 from transformer_jax.models import Transformer
-from transformer_jax.tokenizer import EOS_ID, PAD_ID, Tokenizer
+from transformer_jax.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
 
 _MIN_BUCKET = 8
 # Extra target positions beyond the source length that decoding may use.
@@ -42,6 +44,20 @@ def _bucket(length: int, limit: int) -> int:
   while bucket < length:
     bucket *= 2
   return min(bucket, limit)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionMaps:
+  """Attention weights of one sentence pair, per layer and head (rows: queries, sum to 1).
+
+  Tokens are SentencePiece pieces; each side ends with '</s>'. The decoder's query at target
+  position i reads target pieces 0..i-1 (and BOS) and predicts target piece i.
+  """
+  source_tokens: list[str]
+  target_tokens: list[str]
+  encoder_self: np.ndarray  # [layers, heads, source, source]
+  decoder_self: np.ndarray  # [layers, heads, target, target]
+  cross: np.ndarray  # [layers, heads, target, source]
 
 
 class Translator:
@@ -142,6 +158,41 @@ class Translator:
       for row, ids in zip(rows, strip_after_eos(np.asarray(tokens), EOS_ID, pad_id=PAD_ID)):
         outputs[row] = self.tokenizer.decode(ids)
     return outputs
+
+
+  def attention(self, source: str, target: str | None = None, beam_size: int = 4,
+                alpha: float = 0.6) -> AttentionMaps:
+    """The model's attention weights for `source` and its translation `target`.
+
+    Without `target` the sentence is translated first (beam search, as `translate`), so the
+    maps show what the model attended to while producing its own output.
+    """
+    if target is None:
+      target = self.translate([source], beam_size=beam_size, alpha=alpha)[0]
+    max_len = self.model_config.max_len
+    source_ids = (self.tokenizer.encode(source)[:max_len - 1]) + [EOS_ID]
+    target_ids = (self.tokenizer.encode(target)[:max_len - 1]) + [EOS_ID]
+    src = np.asarray([source_ids], np.int32)  # [1, s]
+    decoder_inputs = np.asarray([[BOS_ID] + target_ids[:-1]], np.int32)  # [1, t]
+    _, state = self._attention_apply(self.params, src, decoder_inputs)
+    weights = state['intermediates']
+
+    def layers_heads(module: str, name: str) -> np.ndarray:
+      # Sown once per scanned call: [layers, batch=1, heads, queries, keys] -> drop the batch.
+      (sown,) = weights[module][name]['attention_weights']
+      return np.asarray(sown, np.float32)[:, 0]
+
+    return AttentionMaps(
+        source_tokens=self.tokenizer.pieces(source_ids[:-1]) + ['</s>'],
+        target_tokens=self.tokenizer.pieces(target_ids[:-1]) + ['</s>'],
+        encoder_self=layers_heads('encoder_layers', 'self_attention'),
+        decoder_self=layers_heads('decoder_layers', 'self_attention'),
+        cross=layers_heads('decoder_layers', 'cross_attention'))
+
+  @functools.cached_property
+  def _attention_apply(self):
+    return jax.jit(lambda params, src, tgt_in: self.model.apply(
+        {'params': params}, src, tgt_in, mutable=['intermediates']))
 
 
 def _restore(workdir: str, checkpoint: int | str | None, abstract_params):
