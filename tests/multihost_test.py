@@ -1,5 +1,6 @@
 """Two real processes on 127.0.0.1 (2 CPU devices each) train like one process with 4 devices,
-stop together on a preemption notice sent to one of them, and resume to the same parameters."""
+stop together on a preemption notice sent to one of them, and their checkpoint restores into a
+single process that continues to the same parameters."""
 
 import os
 import signal
@@ -88,7 +89,7 @@ def _final_eval_line(log: str) -> str:
   return [line for line in log.splitlines() if f'eval step {STEPS}:' in line][-1]
 
 
-def test_two_processes_equal_one_and_survive_preemption(tmp_path, data_dir):
+def test_two_processes_equal_one_stop_together_and_resume_in_one(tmp_path, data_dir):
   config_path = _write_config(tmp_path, data_dir)
   reference = _launch(tmp_path / 'one', config_path, 4)
   reference_log = reference.communicate(timeout=300)[0]
@@ -104,11 +105,22 @@ def test_two_processes_equal_one_and_survive_preemption(tmp_path, data_dir):
   assert 'step ' not in log_1  # Only process 0 logs ...
   assert len(os.listdir(workdir / 'tensorboard')) == 1  # ... and writes TensorBoard.
 
-  log_0, _ = _run_pair(workdir, config_path)  # Resume: the same command.
-  assert f'resumed from {workdir}/checkpoints at step {stopped_at}' in log_0
-  # The final evaluation (loss, token accuracy, greedy decoding spread over the processes'
-  # devices, BLEU) is the single process's, to the printed digits.
-  assert _final_eval_line(log_0).split('eval step')[1] == \
+  # One process (4 devices) restores the checkpoint the two wrote collectively and continues.
+  resumed = _launch(workdir, config_path, 4)
+  resumed_log = resumed.communicate(timeout=300)[0]
+  assert resumed.returncode == 0, resumed_log[-3000:]
+  assert f'resumed from {workdir}/checkpoints at step {stopped_at}' in resumed_log
+  # The loss at every logged step (the two processes' steps, then the one's) and the final
+  # evaluation (loss, token accuracy, greedy decoding, BLEU, chrF) are the uninterrupted
+  # single process's, to the printed digits.
+  def losses(log):  # {step: the loss printed for the steps since the previous log line}
+    return {int(line.split('step ')[1].split('/')[0]): line.split('| loss ')[1].split(' ')[0]
+            for line in log.splitlines() if '| loss ' in line}
+  before, after, reference = losses(log_0), losses(resumed_log), losses(reference_log)
+  del after[min(after)]  # It averages only the steps since the restore.
+  assert max(before) <= stopped_at < min(after) and len(before) >= 2 and len(after) >= 2
+  assert {**before, **after} == {step: reference[step] for step in {**before, **after}}
+  assert _final_eval_line(resumed_log).split('eval step')[1] == \
       _final_eval_line(reference_log).split('eval step')[1]
 
   params_one = Translator.from_checkpoint(str(tmp_path / 'one')).params
