@@ -11,7 +11,6 @@ import time
 
 import jax
 import numpy as np
-import pytest
 
 from conftest import REPO_ROOT
 from transformer_jax.translate import Translator

@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import pytest
-import tensorflow_datasets as tfds
 
 from configs import default
 from transformer_jax import input_pipeline, prepare_data

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import functools
 import json
 import os
 import platform
@@ -60,7 +59,11 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from transformer_jax import batching, inference, input_pipeline, train_lib
+from transformer_jax import train_lib
+# DECODE_MODES and BATCHING_MODES are re-exported: the report and users read them from here.
+from transformer_jax.benchmark_decoding import (DECODE_MODES, benchmark_decoding,  # noqa: F401
+                                               suppress_eos, trained_decoding)
+from transformer_jax.benchmark_pipeline import BATCHING_MODES, benchmark_pipeline  # noqa: F401
 from transformer_jax.benchmark_report import format_report
 from transformer_jax.config import TransformerConfig, UserInputError
 from transformer_jax.models import Transformer, count_params
@@ -73,17 +76,10 @@ FLOPS_FORMULA = (
     'for flops_per_step (hardware work), real lengths for useful_flops_per_step')
 
 SIZES = ('tiny', 'small', 'base')
-DECODE_MODES = ('greedy_cached', 'greedy_uncached', 'beam_cached', 'beam_uncached')
-BATCHING_MODES = ('fixed', 'tokens', 'packed')
 # Lowest id of an ordinary token: pad, eos, bos and unk come first.
 _FIRST_TOKEN_ID = max(PAD_ID, EOS_ID, BOS_ID, UNK_ID) + 1
 # Real lengths of synthetic rows: this fraction of the padded length.
 _REAL_LENGTH_FRACTION = (0.7, 0.8)
-# Untimed batches before timing an input pipeline: more than its prefetch buffer (8), so the
-# timed batches come at the rate they are produced, not from a buffer filled while planning.
-_PIPELINE_WARMUP_BATCHES = 16
-# Added to the end-of-sentence logit of untrained decoding models (logits are ~N(0, 1)).
-_EOS_SUPPRESSION = -30.0
 
 
 # ------------------------------------------------------------------------------ Sizes --
@@ -320,83 +316,6 @@ def _compiled_memory(trainer: train_lib.Trainer, state, batch) -> dict:
 
 # --------------------------------------------------------------------------- Decoding --
 
-def suppress_eos(params, cfg: TransformerConfig, margin: float = _EOS_SUPPRESSION):
-  """Parameters whose decoder never prefers EOS (same shapes, same computation).
-
-  The last LayerNorm before the output projection gets scale 0, bias 1 on feature 0, so that
-  feature is the constant 1, and the output projection's EOS weight on it becomes `margin`.
-  Returns (params, True), or (params unchanged, False) if the parameter layout is unknown.
-  """
-  params = jax.tree_util.tree_map(np.array, jax.device_get(nn.meta.unbox(params)))  # A copy.
-  try:
-    if cfg.pre_norm:
-      norm = params['decoder_norm']
-      scale, bias = norm['scale'], norm['bias']
-      scale[0], bias[0] = 0.0, 1.0
-    else:
-      norm = params['decoder_layers']['ffn_block']['norm']  # [layers, d]: the last layer's.
-      scale, bias = norm['scale'], norm['bias']
-      scale[-1, 0], bias[-1, 0] = 0.0, 1.0
-    if cfg.share_embeddings:
-      params['shared_embedding']['embedding'][EOS_ID, 0] = margin
-    else:
-      params['output_projection']['kernel'][0, EOS_ID] = margin
-  except (KeyError, IndexError, TypeError, ValueError):
-    return params, False
-  return params, True
-
-
-def _decoders(model, *, max_decode_len: int, beam_size: int, alpha: float) -> dict[str, Callable]:
-  """The four decoders, jitted: params, src [b, s] -> output ids [b, max_decode_len]."""
-  decoders = {}
-  for cache in (True, False):
-    suffix = 'cached' if cache else 'uncached'
-    decoders[f'greedy_{suffix}'] = jax.jit(functools.partial(
-        inference.greedy_decode, model, max_decode_len=max_decode_len, use_cache=cache))
-    decoders[f'beam_{suffix}'] = jax.jit(
-        lambda params, src, cache=cache: inference.beam_decode(
-            model, params, src, beam_size=beam_size, alpha=alpha,
-            max_decode_len=max_decode_len, use_cache=cache)[0][:, 0])  # Best beam.
-  return decoders
-
-
-def benchmark_decoding(name: str, model_config: TransformerConfig, params,
-                       sources: list[np.ndarray], *, max_decode_len: int, beam_size: int,
-                       alpha: float, note: str, **extra) -> dict:
-  """Sentences/s and generated tokens/s of each decoder over `sources` (same-shape batches).
-
-  The first batch is decoded once untimed (compilation), then every batch is timed.
-  """
-  model = Transformer(model_config)
-  params = jax.device_put(params)
-  modes = {}
-  for mode, decoder in _decoders(model, max_decode_len=max_decode_len, beam_size=beam_size,
-                                 alpha=alpha).items():
-    start = time.perf_counter()
-    jax.block_until_ready(decoder(params, sources[0]))
-    compile_seconds = time.perf_counter() - start
-    outputs = []
-    start = time.perf_counter()
-    for src in sources:
-      outputs.append(decoder(params, src))
-    jax.block_until_ready(outputs)
-    elapsed = time.perf_counter() - start
-    outputs = np.concatenate([np.asarray(o) for o in outputs])
-    sentences = outputs.shape[0]
-    tokens = int((outputs != PAD_ID).sum())  # Every generated token, EOS included.
-    modes[mode] = {'sentences_per_second': sentences / elapsed,
-                   'tokens_per_second': tokens / elapsed,
-                   'mean_output_tokens': tokens / sentences,
-                   'seconds': elapsed, 'first_call_seconds': compile_seconds}
-  speedup = {kind: modes[f'{kind}_cached']['sentences_per_second']
-             / modes[f'{kind}_uncached']['sentences_per_second'] for kind in ('greedy', 'beam')}
-  return {'model': name, 'batch_size': int(sources[0].shape[0]), 'batches': len(sources),
-          'source_length': int(sources[0].shape[1]),
-          'mean_source_tokens': float(np.mean([(s != PAD_ID).sum(1).mean() for s in sources])),
-          'max_decode_len': max_decode_len, 'beam_size': beam_size, 'alpha': alpha,
-          'note': note, 'modes': modes, 'cache_speedup': speedup, **extra}
-
-
 def synthetic_decoding(spec: SizeSpec, params, *, batch_size: int, source_length: int,
                        decode_length: int, batches: int, beam_size: int, alpha: float,
                        seed: int = 0) -> dict:
@@ -415,115 +334,6 @@ def synthetic_decoding(spec: SizeSpec, params, *, batch_size: int, source_length
   return benchmark_decoding(spec.name, cfg, params, sources, max_decode_len=decode_length,
                             beam_size=beam_size, alpha=alpha, note=note, trained=False,
                             eos_suppressed=suppressed)
-
-
-def trained_decoding(workdir: str, *, batch_size: int, batches: int, beam_size: int,
-                     alpha: float) -> dict:
-  """The trained model of a number-words workdir on the task's test sentences."""
-  from transformer_jax import number_words
-  from transformer_jax.translate import Translator
-
-  translator = Translator.from_checkpoint(workdir)
-  with open(os.path.join(workdir, train_lib.CONFIG_FILE)) as f:
-    saved = json.load(f)['config']
-  source_length, max_decode_len = saved['max_source_length'], saved['max_target_length']
-  numbers = number_words.sample_numbers('test', batch_size * batches, seed=0)
-  sentences = [number_words.english_words(n) for n in numbers]
-  ids = [translator.tokenizer.encode(s)[:source_length - 1] + [EOS_ID] for s in sentences]
-  sources = [input_pipeline.pad_batch(
-      [{'inputs': np.asarray(i, np.int32), 'targets': np.zeros((0,), np.int32)}
-       for i in ids[start:start + batch_size]], source_length, 1)['inputs']
-             for start in range(0, len(ids), batch_size)]
-  return benchmark_decoding(
-      f'trained:{os.path.basename(os.path.normpath(workdir))}', translator.model_config,
-      translator.params, sources, max_decode_len=max_decode_len, beam_size=beam_size,
-      alpha=alpha, note=f'trained model of {workdir}, number-words test sentences, stops at EOS',
-      trained=True, eos_suppressed=False)
-
-
-# --------------------------------------------------------------------- Input pipeline --
-
-def synthetic_split(num_examples: int, vocab_size: int, max_length: int,
-                    seed: int = 0) -> input_pipeline.TokenizedSplit:
-  """Multi30k-like pairs: source ~15 +- 5 tokens (EOS included), target ~1.05x the source."""
-  rng = np.random.default_rng(seed)
-  source = np.clip(np.rint(rng.normal(15.0, 5.0, num_examples)), 3, max_length).astype(np.int64)
-  ratio = rng.normal(1.05, 0.15, num_examples)
-  target = np.clip(np.rint(source * ratio), 3, max_length).astype(np.int64)
-  arrays = {}
-  for side, lengths in (('inputs', source), ('targets', target)):
-    flat = rng.integers(_FIRST_TOKEN_ID, vocab_size, size=int(lengths.sum())).astype(np.int32)
-    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    flat[offsets[1:] - 1] = EOS_ID
-    arrays[f'{side}_flat'], arrays[f'{side}_offsets'] = flat, offsets
-  return input_pipeline.TokenizedSplit(arrays)
-
-
-def _count_examples(batch: dict[str, np.ndarray]) -> int:
-  if 'inputs_segment_ids' in batch:
-    return int(batch['inputs_segment_ids'].max(axis=1).sum())
-  return int((batch['inputs'] != PAD_ID).any(axis=1).sum())
-
-
-def _time_iterator(iterator, num_batches: int) -> dict:
-  start = time.perf_counter()
-  next(iterator)  # Includes planning the epoch and starting the reader threads.
-  first_seconds = time.perf_counter() - start
-  for _ in range(_PIPELINE_WARMUP_BATCHES):
-    next(iterator)
-  examples = real = padded = 0
-  start = time.perf_counter()
-  for _ in range(num_batches):
-    batch = next(iterator)
-    examples += _count_examples(batch)
-    for side in ('inputs', 'targets'):
-      real += int((batch[side] != PAD_ID).sum())
-      padded += batch[side].size
-  elapsed = time.perf_counter() - start
-  return {'examples_per_second': examples / elapsed, 'batches_per_second': num_batches / elapsed,
-          'examples_per_batch': examples / num_batches, 'padding_fraction': 1.0 - real / padded,
-          'first_batch_seconds': first_seconds, 'timed_batches': num_batches}
-
-
-def benchmark_pipeline(*, num_examples: int, max_length: int, tokens_per_batch: int,
-                       num_batches: int, train_steps_per_second: float | None,
-                       vocab_size: int, size: str, seed: int = 0) -> dict:
-  """Examples/s and padding of each batching mode at the same padded-token budget per batch.
-
-  fixed: tokens_per_batch // max_length pairs padded to max_length; tokens: length buckets of
-  at most tokens_per_batch padded tokens per side; packed: rows of max_length holding several
-  pairs. The training step consumes examples_per_batch x the size's steps/s (a step over the
-  same padded-token budget costs about the same whatever the mode).
-  """
-  split = synthetic_split(num_examples, vocab_size, max_length, seed)
-  config = ml_collections.ConfigDict({'max_source_length': max_length,
-                                      'max_target_length': max_length})
-  fixed_rows = max(1, tokens_per_batch // max_length)
-  iterators = {
-      'fixed': lambda: (input_pipeline.make_train_iterator(
-          split, config, batch_size=fixed_rows, seed=seed), None),
-      'tokens': lambda: batching.make_token_budget_iterator(
-          split, tokens_per_batch=tokens_per_batch, max_length=max_length, seed=seed),
-      'packed': lambda: batching.make_packed_iterator(
-          split, tokens_per_batch=tokens_per_batch, length=max_length, seed=seed),
-  }
-  modes = {}
-  for mode in BATCHING_MODES:
-    iterator, plan = iterators[mode]()
-    result = _time_iterator(iterator, num_batches)
-    if plan is not None:
-      result['epoch_padding_fraction'] = plan.padding_fraction(0)
-    if train_steps_per_second:
-      required = result['examples_per_batch'] * train_steps_per_second
-      result['training_examples_per_second'] = required
-      result['ratio_to_training'] = result['examples_per_second'] / required
-    modes[mode] = result
-    del iterator
-  return {'size': size, 'examples': num_examples, 'max_length': max_length,
-          'tokens_per_batch': tokens_per_batch, 'fixed_rows': fixed_rows,
-          'mean_source_tokens': float(split.lengths()[0].mean()),
-          'mean_target_tokens': float(split.lengths()[1].mean()),
-          'train_steps_per_second': train_steps_per_second, 'modes': modes}
 
 
 # ----------------------------------------------------------------------------- Report --

@@ -14,7 +14,6 @@ from __future__ import annotations
 import sys
 
 from absl import app, flags
-import numpy as np
 
 from transformer_jax.checkpointing import CorruptCheckpointError
 from transformer_jax.config import UserInputError

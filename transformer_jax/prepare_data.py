@@ -47,7 +47,7 @@ def _builder(name: str, data_dir: str) -> tfds.core.DatasetBuilder:
     return tfds.builder(name, data_dir=data_dir, file_format='array_record', try_gcs=False)
   except tfds.core.registered.DatasetNotFoundError as error:
     raise UserInputError(f'--dataset={name!r}: {str(error).splitlines()[0]}') from None
-  except ValueError as error:  # e.g. an unknown builder config after the '/'
+  except ValueError:  # e.g. an unknown builder config after the '/'
     configs = [config.name for config in
                getattr(tfds.builder_cls(name.split('/')[0]), 'BUILDER_CONFIGS', [])]
     known = f' (it has: {", ".join(configs)})' if configs else ''

@@ -23,7 +23,6 @@ import ml_collections
 import numpy as np
 import optax
 from absl import logging
-from flax import struct
 from flax.training import train_state
 
 from transformer_jax import batching, evaluate, input_pipeline, inference, sharding
