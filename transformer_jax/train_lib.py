@@ -103,10 +103,16 @@ def train_step(state: TrainState, batch: dict, *, model: Transformer, learning_r
                               label_smoothing)
     return metrics['loss_sum'], metrics
 
-  grad_fn = jax.grad(loss_sum_and_metrics, has_aux=True)
   if grad_accum_steps == 1:
-    grads, metrics = grad_fn(state.params, batch, dropout_rng)
+    # The gradient of the mean loss itself (not the sum's gradient divided afterwards): the
+    # same value up to rounding, but rounding is what a run's trajectory is sensitive to, and
+    # this keeps single-step runs bitwise what they were before accumulation existed.
+    def mean_loss(params):
+      loss_sum, metrics = loss_sum_and_metrics(params, batch, dropout_rng)
+      return loss_sum / jnp.maximum(metrics['token_count'], 1.0), metrics
+    grads, metrics = jax.grad(mean_loss, has_aux=True)(state.params)
   else:
+    grad_fn = jax.grad(loss_sum_and_metrics, has_aux=True)
     # [b, ...] -> [k, b/k, ...], micro-batch j = rows j, j+k, j+2k, ...: each device's
     # contiguous block of rows holds its share of every micro-batch, so no data moves.
     micro_batches = jax.tree_util.tree_map(
@@ -127,8 +133,9 @@ def train_step(state: TrainState, batch: dict, *, model: Transformer, learning_r
              jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), metric_shapes))
     (grads, metrics), _ = jax.lax.scan(accumulate, zeros,
                                        (micro_batches, jnp.arange(grad_accum_steps)))
-  # The gradient of the mean loss over the real tokens of the whole (global) batch.
-  grads = jax.tree_util.tree_map(lambda g: g / jnp.maximum(metrics['token_count'], 1.0), grads)
+    # The gradient of the mean loss over the real tokens of the whole (global) batch.
+    grads = jax.tree_util.tree_map(lambda g: g / jnp.maximum(metrics['token_count'], 1.0),
+                                   grads)
   grad_norm = optax.tree.norm(grads)
   finite = jnp.isfinite(metrics['loss_sum']) & jnp.isfinite(grad_norm)
   updated = state.apply_gradients(grads=grads)
