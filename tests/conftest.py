@@ -42,3 +42,26 @@ def data_dir(tmp_path_factory):
   path = str(tmp_path_factory.mktemp('tfds'))
   number_words.prepare(path, 'tiny')
   return path
+
+
+def random_weight_translator(num_encoder_layers: int = 1, num_decoder_layers: int = 1):
+  """A random-weight model with a real number-words vocabulary: plumbing, not quality."""
+  import flax.linen as nn
+  import jax
+  import jax.numpy as jnp
+  from transformer_jax import number_words
+  from transformer_jax.config import TransformerConfig
+  from transformer_jax.models import Transformer
+  from transformer_jax.tokenizer import Tokenizer
+  from transformer_jax.translate import Translator
+  sentences = []
+  for n in range(0, 3000, 7):
+    sentences += [number_words.english_words(n), number_words.german_words(n)]
+  tokenizer = Tokenizer.train(sentences, vocab_size=96)
+  config = TransformerConfig(vocab_size=tokenizer.vocab_size, d_model=16, d_ff=32, num_heads=2,
+                             num_encoder_layers=num_encoder_layers,
+                             num_decoder_layers=num_decoder_layers, max_len=32)
+  model = Transformer(config)
+  dummy = jnp.ones((1, 1), jnp.int32)
+  params = nn.meta.unbox(model.init(jax.random.PRNGKey(0), dummy, dummy)['params'])
+  return Translator(config, params, tokenizer, batch_size=8)

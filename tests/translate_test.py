@@ -2,33 +2,19 @@
 
 import functools
 
-import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from transformer_jax import inference, number_words
-from transformer_jax.config import TransformerConfig
-from transformer_jax.models import Transformer
-from transformer_jax.tokenizer import Tokenizer
+from transformer_jax import inference
+from conftest import random_weight_translator
 from transformer_jax.translate import Translator, _bucket
 
 
 @functools.lru_cache(maxsize=1)
 def _translator() -> Translator:
-  """A random-weight model with a real vocabulary: the plumbing, not the quality, is tested."""
-  sentences = []
-  for n in range(0, 3000, 7):
-    sentences += [number_words.english_words(n), number_words.german_words(n)]
-  tokenizer = Tokenizer.train(sentences, vocab_size=96)
-  config = TransformerConfig(vocab_size=tokenizer.vocab_size, d_model=16, d_ff=32, num_heads=2,
-                             num_encoder_layers=1, num_decoder_layers=1, max_len=32)
-  model = Transformer(config)
-  dummy = jnp.ones((1, 1), jnp.int32)
-  params = nn.meta.unbox(model.init(jax.random.PRNGKey(0), dummy, dummy)['params'])
-  return Translator(config, params, tokenizer, batch_size=8)
+  return random_weight_translator()
 
 
 def test_bucket_sizes():
