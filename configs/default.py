@@ -76,6 +76,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.model.layer_norm_epsilon = 1e-6
   # Recompute layer activations in the backward pass to save memory.
   config.model.remat = False
+  # Attention kernel: 'einsum' (explicit weights), 'xla' or 'cudnn' (jax.nn.dot_product_attention;
+  # 'cudnn' is the fused kernel of NVIDIA GPUs, bf16/fp16 only, no attention dropout).
+  config.model.attention_impl = 'einsum'
 
   # --- Batching ---------------------------------------------------------------------------
   # 'fixed': per_device_batch_size pairs padded to the maximum lengths (this task's pairs are

@@ -101,7 +101,8 @@ class SizeSpec:
 
 
 def size_spec(name: str, base_config: ml_collections.ConfigDict, *, dtype: str,
-              dropout: float | None = None) -> SizeSpec:
+              dropout: float | None = None, attention_impl: str = '',
+              remat: bool | None = None) -> SizeSpec:
   """tiny: base_config's model and batch (the default config: d 128, 3+3, vocab 256, 64 pairs
   x 24/16 tokens). small: d 256, 3+3, ff 1024, 4 heads, vocab 8000, dropout 0.3/0.1 as the
   Multi30k config, 64 x 32 = 2,048 target tokens. base: the paper's base model, vocab 37,000,
@@ -126,6 +127,12 @@ def size_spec(name: str, base_config: ml_collections.ConfigDict, *, dtype: str,
   model_fields['dtype'] = dtype
   if dropout is not None:
     model_fields['dropout_rate'] = model_fields['attention_dropout_rate'] = dropout
+  if attention_impl:
+    model_fields['attention_impl'] = attention_impl
+    if attention_impl != 'einsum':
+      model_fields['attention_dropout_rate'] = 0.0  # The fused kernels have no attention dropout.
+  if remat is not None:
+    model_fields['remat'] = remat
   model_fields['max_len'] = max(model_fields['max_len'], source_length, target_length)
   config.model = ml_collections.ConfigDict(model_fields)
   config.vocab_size = vocab_size
@@ -354,6 +361,8 @@ class Options:
   sections: Sequence[str] = ('train', 'decode', 'pipeline')
   dtype: str = ''  # '' = float32 on CPU, bfloat16 on accelerators.
   dropout: float | None = None
+  attention_impl: str = ''  # '' = each size's own ('einsum').
+  remat: bool | None = None  # None = each size's own (off).
   train_steps: int = 10
   warmup_steps: int = 2
   peak_n: int = 0  # 0 = 2048 on CPU, 8192 on accelerators.
@@ -394,7 +403,8 @@ def run(config: ml_collections.ConfigDict, options: Options,
   report['peak'] = measure_peak(peak_n, dtype, options.peak_repeats)
   peak = report['peak']['flops_per_second']
 
-  specs = {name: size_spec(name, config, dtype=dtype, dropout=options.dropout)
+  specs = {name: size_spec(name, config, dtype=dtype, dropout=options.dropout,
+                              attention_impl=options.attention_impl, remat=options.remat)
            for name in options.sizes}
   report['training'], report['decoding'] = [], []
   steps_per_second = {}
@@ -454,6 +464,10 @@ def _define_flags():
   flags.DEFINE_enum('dtype', None, ['float32', 'bfloat16'],
                     'Compute dtype (default: float32 on CPU, bfloat16 on accelerators).')
   flags.DEFINE_float('dropout', None, "Override every size's dropout rates (e.g. 0).")
+  flags.DEFINE_enum('attention_impl', '', ['', 'einsum', 'xla', 'cudnn'],
+                    "Every size's TransformerConfig.attention_impl ('' = its own); 'xla' and "
+                    "'cudnn' also set attention dropout to 0 (those kernels have none).")
+  flags.DEFINE_bool('remat', None, "Every size's TransformerConfig.remat (unset = its own).")
   flags.DEFINE_integer('train_steps', defaults.train_steps, 'Timed training steps per size.')
   flags.DEFINE_integer('warmup_steps', defaults.warmup_steps,
                        'Untimed steps after the first (compiling) one.')
@@ -494,7 +508,8 @@ def main(argv):
   f = flags.FLAGS
   options = Options(
       sizes=[s for s in f.sizes if s], sections=[s for s in f.sections if s],
-      dtype=f.dtype or '', dropout=f.dropout, train_steps=f.train_steps,
+      dtype=f.dtype or '', dropout=f.dropout,
+      attention_impl=f.attention_impl, remat=f.remat, train_steps=f.train_steps,
       warmup_steps=f.warmup_steps, peak_n=f.peak_n, peak_repeats=f.peak_repeats,
       decode_batch_size=f.decode_batch_size, decode_source_length=f.decode_source_length,
       decode_length=f.decode_length, decode_batches=f.decode_batches, beam_size=f.beam_size,

@@ -15,6 +15,7 @@ class UserInputError(ValueError):
   """A problem with what the user gave (config, files, flags), reported as one line, no traceback."""
 
 
+_ATTENTION_IMPLS = ('einsum', 'xla', 'cudnn')
 _DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16, 'float16': jnp.float16}
 
 
@@ -51,6 +52,11 @@ class TransformerConfig:
   layer_norm_epsilon: float = 1e-6
   # Rematerialise each layer's activations in the backward pass (saves memory, costs compute).
   remat: bool = False
+  # How attention is computed. 'einsum': explicit softmax weights (supports attention dropout
+  # and returning the weights). 'xla' / 'cudnn': `jax.nn.dot_product_attention` with that
+  # implementation ('cudnn': the fused flash-attention kernel on NVIDIA GPUs, float16/bfloat16
+  # only). Attention maps (`Translator.attention`) always use 'einsum'.
+  attention_impl: str = 'einsum'
 
   def __post_init__(self):
     for name in ('vocab_size', 'd_model', 'd_ff', 'num_heads', 'num_encoder_layers',
@@ -71,6 +77,16 @@ class TransformerConfig:
       value = getattr(self, name)
       if not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
         raise UserInputError(f'TransformerConfig.{name} must be in [0, 1), got {value!r}')
+    if self.attention_impl not in _ATTENTION_IMPLS:
+      raise UserInputError(f'TransformerConfig.attention_impl must be one of '
+                           f'{", ".join(_ATTENTION_IMPLS)}, got {self.attention_impl!r}')
+    if self.attention_impl != 'einsum' and self.attention_dropout_rate > 0:
+      raise UserInputError(
+          f'TransformerConfig.attention_impl={self.attention_impl!r} has no attention dropout; '
+          f'set attention_dropout_rate=0 (got {self.attention_dropout_rate}) or use \'einsum\'')
+    if self.attention_impl == 'cudnn' and self.dtype == 'float32':
+      raise UserInputError("TransformerConfig.attention_impl='cudnn' needs dtype bfloat16 or "
+                           'float16, got float32')
     if self.dtype not in _DTYPES:
       raise UserInputError(f'TransformerConfig.dtype must be one of {sorted(_DTYPES)}, '
                        f'got {self.dtype!r}')

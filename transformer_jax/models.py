@@ -178,11 +178,18 @@ class MultiHeadAttention(nn.Module):
         max_length = key.shape[1]
         mask = (jnp.arange(max_length) <= index)[None, None, None, :]  # [1, 1, 1, max_t]
 
-    weights = dot_product_attention_weights(query, key, mask)  # [b, h, q, k]
-    self.sow('intermediates', 'attention_weights', weights)
-    if cfg.attention_dropout_rate > 0.0 and not deterministic:
-      weights = nn.Dropout(cfg.attention_dropout_rate)(weights, deterministic=False)
-    heads = jnp.einsum('bhqk,bkhd->bqhd', weights.astype(dtype), value.astype(dtype))
+    if cfg.attention_impl != 'einsum' and not self.is_mutable_collection('intermediates'):
+      # The config rules out attention dropout here. Masked-out keys get a large negative
+      # logit, as in the einsum path; rows with no key at all (padding queries) are ignored.
+      heads = jax.nn.dot_product_attention(query.astype(dtype), key.astype(dtype),
+                                           value.astype(dtype), mask=mask,
+                                           implementation=cfg.attention_impl)  # [b, q, h, d_v]
+    else:
+      weights = dot_product_attention_weights(query, key, mask)  # [b, h, q, k]
+      self.sow('intermediates', 'attention_weights', weights)
+      if cfg.attention_dropout_rate > 0.0 and not deterministic:
+        weights = nn.Dropout(cfg.attention_dropout_rate)(weights, deterministic=False)
+      heads = jnp.einsum('bhqk,bkhd->bqhd', weights.astype(dtype), value.astype(dtype))
     return Projection((cfg.d_model,), 2, ('heads', 'kv', 'embed'), dtype, use_bias=False,
                       name='out')(heads)  # [b, q, m]
 

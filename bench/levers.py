@@ -1,0 +1,169 @@
+"""A/B timing of speed levers on one model size, in one process, interleaved.
+
+    python bench/levers.py --size=small --rounds=6 \
+        --variants=baseline,fused_qkv,onehot_loss,dropout_bits16,no_attention_dropout,xla_attention,no_dropout,remat
+
+Every variant's training step is compiled first; then each round times `--steps` steps of every
+variant in turn, so a noisy machine slows all variants alike. The table gives each variant's
+fastest and median step and its speed relative to the first variant. XLA flags act per
+process: compare them by running this script once per `XLA_FLAGS` setting (bench/README.md).
+
+Variants that exist in the library are config changes (`xla_attention`, `remat`,
+`no_dropout`, `no_attention_dropout`). The others are throwaway patches applied while the
+variant's step is traced, kept here only so that the measurements in bench/README.md can be
+repeated: `fused_qkv` (one matmul for the self-attention query/key/value projections, kernels
+concatenated at run time), `dropout_bits16` (dropout masks from 16 random bits per element
+instead of 32) and `onehot_loss` (the label-smoothed loss through a [batch, length, vocab]
+one-hot matrix, as the loss was before it avoided one).
+"""
+
+import contextlib
+import dataclasses
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import flax.linen as nn  # noqa: E402
+import flax.linen.stochastic as flax_stochastic  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from absl import app, flags  # noqa: E402
+
+from configs import default  # noqa: E402
+from transformer_jax import benchmark, models, train_lib  # noqa: E402
+
+flags.DEFINE_string('size', 'small', 'tiny, small or base (see transformer_jax.benchmark)')
+flags.DEFINE_list('variants', ['baseline', 'fused_qkv', 'onehot_loss', 'dropout_bits16',
+                               'no_attention_dropout', 'xla_attention', 'no_dropout', 'remat'],
+                  'variants to compare; the first is the reference')
+flags.DEFINE_integer('rounds', 6, 'timing rounds (each times every variant)')
+flags.DEFINE_integer('steps', 3, 'steps per variant per round')
+FLAGS = flags.FLAGS
+
+_CONFIG_CHANGES = {
+    'baseline': {},
+    'no_dropout': dict(dropout_rate=0.0, attention_dropout_rate=0.0),
+    'no_attention_dropout': dict(attention_dropout_rate=0.0),
+    'xla_attention': dict(attention_dropout_rate=0.0, attention_impl='xla'),
+    'remat': dict(remat=True),
+    'fused_qkv': {}, 'dropout_bits16': {}, 'onehot_loss': {},
+}
+
+
+def _onehot_loss(logits, targets, weights, label_smoothing=0.1):
+  vocab_size = logits.shape[-1]
+  confidence, low = 1.0 - label_smoothing, label_smoothing / (vocab_size - 1)
+  soft_targets = jax.nn.one_hot(targets, vocab_size) * (confidence - low) + low  # [b, t, v]
+  log_probs = jax.nn.log_softmax(logits.astype(jnp.float32))
+  entropy = -(confidence * np.log(confidence) + (vocab_size - 1) * low * np.log(low))
+  per_token = (-(soft_targets * log_probs).sum(-1) - entropy) * weights
+  return per_token.sum(), weights.sum()
+
+
+def _bernoulli_from_16_bits(key, p, shape):
+  return jax.random.bits(key, shape, jnp.uint16) < int(round(float(p) * 2 ** 16))
+
+
+class _Kernel(nn.Module):
+  """Just the kernel of a `models.Projection` (same name and shape, so the same params)."""
+  shape: tuple
+
+  @nn.compact
+  def __call__(self):
+    init = nn.initializers.variance_scaling(1.0, 'fan_avg', 'uniform', in_axis=(0,),
+                                            out_axis=(1, 2))
+    return self.param('kernel', init, self.shape, jnp.float32)
+
+
+def _fused_qkv_attention(original):
+  def call(self, query_inputs, kv_inputs, mask, deterministic, use_cache=False,
+           decode_position=None):
+    cfg = self.config
+    if self.kind != 'self' or use_cache:
+      return original(self, query_inputs, kv_inputs, mask, deterministic, use_cache,
+                       decode_position)
+    d_model, dtype = query_inputs.shape[-1], cfg.compute_dtype
+    kernels = [_Kernel((d_model, cfg.num_heads, size), name=name)()
+               for name, size in (('query', cfg.head_qk_dim), ('key', cfg.head_qk_dim),
+                                  ('value', cfg.head_v_dim))]
+    kernel = jnp.concatenate(kernels, axis=-1).astype(dtype)  # [m, h, 2 d_k + d_v]
+    qkv = jnp.einsum('btm,mhd->bthd', query_inputs.astype(dtype), kernel)
+    query, key, value = jnp.split(qkv, [cfg.head_qk_dim, 2 * cfg.head_qk_dim], axis=-1)
+    weights = models.dot_product_attention_weights(query, key, mask)  # [b, h, q, k]
+    if cfg.attention_dropout_rate > 0.0 and not deterministic:
+      weights = nn.Dropout(cfg.attention_dropout_rate)(weights, deterministic=False)
+    heads = jnp.einsum('bhqk,bkhd->bqhd', weights.astype(dtype), value)
+    return models.Projection((cfg.d_model,), 2, ('heads', 'kv', 'embed'), dtype,
+                             use_bias=False, name='out')(heads)
+  return call
+
+
+@contextlib.contextmanager
+def _patched(variant):
+  saved = (flax_stochastic.random.bernoulli, train_lib.label_smoothed_cross_entropy,
+           models.MultiHeadAttention.__call__)
+  try:
+    if variant == 'dropout_bits16':
+      flax_stochastic.random.bernoulli = _bernoulli_from_16_bits
+    elif variant == 'onehot_loss':
+      train_lib.label_smoothed_cross_entropy = _onehot_loss
+    elif variant == 'fused_qkv':
+      models.MultiHeadAttention.__call__ = _fused_qkv_attention(saved[2])
+    yield
+  finally:
+    (flax_stochastic.random.bernoulli, train_lib.label_smoothed_cross_entropy,
+     models.MultiHeadAttention.__call__) = saved
+
+
+def main(argv):
+  del argv
+  unknown = [v for v in FLAGS.variants if v not in _CONFIG_CHANGES]
+  if unknown:
+    raise app.UsageError(f'unknown variant(s) {unknown}; known: {sorted(_CONFIG_CHANGES)}')
+  spec = benchmark.size_spec(FLAGS.size, default.get_config(), dtype='float32')
+  rng = np.random.default_rng(0)
+  batches = [benchmark.synthetic_batch(rng, spec.rows_per_device, spec.source_length,
+                                       spec.target_length, spec.model_config.vocab_size)
+             for _ in range(2)]
+  flops = benchmark.training_flops(spec.model_config,
+                                   [spec.source_length] * spec.rows_per_device,
+                                   [spec.target_length] * spec.rows_per_device)['total']
+  runs = {}
+  for variant in FLAGS.variants:
+    variant_spec = dataclasses.replace(
+        spec, model_config=spec.model_config.replace(**_CONFIG_CHANGES[variant]))
+    with _patched(variant):  # Patches matter while tracing, i.e. during the first step.
+      trainer = train_lib.Trainer(variant_spec.config, variant_spec.model_config)
+      state = trainer.init_state(0)
+      start = time.perf_counter()
+      state, metrics = trainer.step(state, batches[0])
+      jax.block_until_ready(metrics)
+    runs[variant] = dict(trainer=trainer, state=state, first=time.perf_counter() - start,
+                         times=[])
+    print(f'compiled {variant} ({runs[variant]["first"]:.1f} s)', flush=True)
+  peaks = []
+  for _ in range(FLAGS.rounds):
+    peaks.append(benchmark.measure_peak(2048, 'float32', 2)['flops_per_second'])
+    for variant in FLAGS.variants:
+      run = runs[variant]
+      for i in range(FLAGS.steps):
+        start = time.perf_counter()
+        run['state'], metrics = run['trainer'].step(run['state'], batches[i % 2])
+        jax.block_until_ready(metrics)
+        run['times'].append(time.perf_counter() - start)
+  peak = max(peaks)
+  reference = min(runs[FLAGS.variants[0]]['times'])
+  print(f'\n{FLAGS.size}: {FLAGS.rounds} rounds x {FLAGS.steps} steps, peak '
+        f'{peak / 1e9:.0f} GFLOP/s, XLA_FLAGS={os.environ.get("XLA_FLAGS", "")!r}')
+  print(f'{"variant":22s} {"min step":>9s} {"median":>8s} {"MFU(min)":>9s} {"speed":>7s}')
+  for variant in FLAGS.variants:
+    times = runs[variant]['times']
+    print(f'{variant:22s} {min(times):8.3f}s {np.median(times):7.3f}s '
+          f'{flops / min(times) / peak:9.1%} {reference / min(times):6.3f}x')
+
+
+if __name__ == '__main__':
+  app.run(main)
