@@ -80,6 +80,10 @@ def test_sizes_are_the_documented_models():
   assert base.model_config.replace(dropout_rate=0.1) == TransformerConfig.base(37000)
   assert 3900 <= base.target_tokens_per_device <= 4200
   assert 60e6 < count_params(_abstract_params(base.model_config)) < 66e6  # The paper: ~65M.
+  big = benchmark.size_spec('big', config, dtype='bfloat16', rows_per_device=256)
+  assert big.model_config == TransformerConfig.big(37000, dtype='bfloat16')
+  assert (big.rows_per_device, big.target_tokens_per_device) == (256, 256 * 64)
+  assert 205e6 < count_params(_abstract_params(big.model_config)) < 215e6  # The paper: ~213M.
   with pytest.raises(UserInputError):
     benchmark.run(config, benchmark.Options(sizes=['huge']))
 

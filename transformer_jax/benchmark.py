@@ -75,7 +75,7 @@ FLOPS_FORMULA = (
     'FFN kernels), d_model x V = output projection, S/T = source/target tokens; padded lengths '
     'for flops_per_step (hardware work), real lengths for useful_flops_per_step')
 
-SIZES = ('tiny', 'small', 'base')
+SIZES = ('tiny', 'small', 'base', 'big')
 # Lowest id of an ordinary token: pad, eos, bos and unk come first.
 _FIRST_TOKEN_ID = max(PAD_ID, EOS_ID, BOS_ID, UNK_ID) + 1
 # Real lengths of synthetic rows: this fraction of the padded length.
@@ -102,11 +102,12 @@ class SizeSpec:
 
 def size_spec(name: str, base_config: ml_collections.ConfigDict, *, dtype: str,
               dropout: float | None = None, attention_impl: str = '',
-              remat: bool | None = None) -> SizeSpec:
+              remat: bool | None = None, rows_per_device: int = 0) -> SizeSpec:
   """tiny: base_config's model and batch (the default config: d 128, 3+3, vocab 256, 64 pairs
   x 24/16 tokens). small: d 256, 3+3, ff 1024, 4 heads, vocab 8000, dropout 0.3/0.1 as the
-  Multi30k config, 64 x 32 = 2,048 target tokens. base: the paper's base model, vocab 37,000,
-  64 x 64 = 4,096 target tokens. Batch sizes are per device."""
+  Multi30k config, 64 x 32 = 2,048 target tokens. base / big: the paper's base / big model,
+  vocab 37,000, 64 x 64 = 4,096 target tokens. Batch sizes are per device; `rows_per_device`
+  overrides the rows of any size."""
   config = ml_collections.ConfigDict(base_config.to_dict())
   if name == 'tiny':
     model_fields = config.model.to_dict()
@@ -118,12 +119,13 @@ def size_spec(name: str, base_config: ml_collections.ConfigDict, *, dtype: str,
                         num_encoder_layers=3, num_decoder_layers=3, dropout_rate=0.3,
                         attention_dropout_rate=0.1, max_len=128)
     vocab_size, rows, source_length, target_length = 8000, 64, 32, 32
-  elif name == 'base':
-    model_fields = TransformerConfig.base(37000).to_dict()
+  elif name in ('base', 'big'):
+    model_fields = getattr(TransformerConfig, name)(37000).to_dict()
     model_fields.pop('vocab_size')
     vocab_size, rows, source_length, target_length = 37000, 64, 64, 64
   else:
     raise UserInputError(f'unknown size {name!r}; expected one of {", ".join(SIZES)}')
+  rows = rows_per_device or rows
   model_fields['dtype'] = dtype
   if dropout is not None:
     model_fields['dropout_rate'] = model_fields['attention_dropout_rate'] = dropout
@@ -363,6 +365,7 @@ class Options:
   dropout: float | None = None
   attention_impl: str = ''  # '' = each size's own ('einsum').
   remat: bool | None = None  # None = each size's own (off).
+  rows_per_device: int = 0  # 0 = each size's own batch rows.
   train_steps: int = 10
   warmup_steps: int = 2
   peak_n: int = 0  # 0 = 2048 on CPU, 8192 on accelerators.
@@ -404,7 +407,8 @@ def run(config: ml_collections.ConfigDict, options: Options,
   peak = report['peak']['flops_per_second']
 
   specs = {name: size_spec(name, config, dtype=dtype, dropout=options.dropout,
-                              attention_impl=options.attention_impl, remat=options.remat)
+                              attention_impl=options.attention_impl, remat=options.remat,
+                              rows_per_device=options.rows_per_device)
            for name in options.sizes}
   report['training'], report['decoding'] = [], []
   steps_per_second = {}
@@ -467,6 +471,8 @@ def _define_flags():
   flags.DEFINE_enum('attention_impl', '', ['', 'einsum', 'xla', 'cudnn'],
                     "Every size's TransformerConfig.attention_impl ('' = its own); 'xla' and "
                     "'cudnn' also set attention dropout to 0 (those kernels have none).")
+  flags.DEFINE_integer('rows_per_device', 0, "Training batch rows per device for every size "
+                       "(0 = each size's own: tiny/small/base/big 64); accelerators want more.")
   flags.DEFINE_bool('remat', None, "Every size's TransformerConfig.remat (unset = its own).")
   flags.DEFINE_integer('train_steps', defaults.train_steps, 'Timed training steps per size.')
   flags.DEFINE_integer('warmup_steps', defaults.warmup_steps,
@@ -509,7 +515,8 @@ def main(argv):
   options = Options(
       sizes=[s for s in f.sizes if s], sections=[s for s in f.sections if s],
       dtype=f.dtype or '', dropout=f.dropout,
-      attention_impl=f.attention_impl, remat=f.remat, train_steps=f.train_steps,
+      attention_impl=f.attention_impl, remat=f.remat,
+      rows_per_device=f.rows_per_device, train_steps=f.train_steps,
       warmup_steps=f.warmup_steps, peak_n=f.peak_n, peak_repeats=f.peak_repeats,
       decode_batch_size=f.decode_batch_size, decode_source_length=f.decode_source_length,
       decode_length=f.decode_length, decode_batches=f.decode_batches, beam_size=f.beam_size,
