@@ -83,3 +83,26 @@ def test_one_output_per_input_in_order(lines):
     assert isinstance(output, str) and '\n' not in output
     if not line.strip():
       assert output == ''
+
+
+def test_a_cudnn_trained_model_translates_on_cpu_through_xla_attention(tmp_path):
+  """attention_impl='cudnn' exists only on NVIDIA GPUs; its checkpoints still load elsewhere."""
+  import json
+  import os
+
+  from transformer_jax.average import averaged_dir
+  from transformer_jax.checkpointing import save_params
+
+  reference = _translator()
+  cudnn_config = reference.model_config.replace(attention_impl='cudnn', dtype='bfloat16')
+  (tmp_path / 'config.json').write_text(json.dumps({'model': cudnn_config.to_dict()}))
+  reference.tokenizer.save(str(tmp_path / 'vocab.model'))
+  os.makedirs(tmp_path / 'checkpoints')
+  save_params(averaged_dir(str(tmp_path)), reference.params)
+  loaded = Translator.from_checkpoint(str(tmp_path), 'averaged')
+  assert loaded.model_config == cudnn_config.replace(attention_impl='xla')
+  float32 = Translator(loaded.model_config.replace(dtype='float32'), loaded.params,
+                       loaded.tokenizer, batch_size=8)
+  sentences = ['three hundred forty-two', 'seven']
+  assert float32.translate(sentences, beam_size=1) == reference.translate(sentences, beam_size=1)
+  assert len(loaded.translate(sentences, beam_size=1)) == 2  # bfloat16 runs too

@@ -167,6 +167,9 @@ class Trainer:
 
   def __init__(self, config: ml_collections.ConfigDict, model_config: TransformerConfig,
                mesh: jax.sharding.Mesh | None = None):
+    if model_config.attention_impl == 'cudnn' and jax.default_backend() != 'gpu':
+      raise UserInputError("config.model.attention_impl='cudnn' needs an NVIDIA GPU; this "
+                           f"process runs on {jax.default_backend()}: use 'einsum' or 'xla'")
     self.config = config
     self.model_config = model_config
     self.model = Transformer(model_config)

@@ -98,6 +98,9 @@ class Translator:
       except json.JSONDecodeError as error:
         raise UserInputError(f'{config_path}: not valid JSON ({error})') from None
     model_config = TransformerConfig.from_dict(saved['model'])
+    if model_config.attention_impl == 'cudnn' and jax.default_backend() != 'gpu':
+      # Trained with the GPU kernel: the same parameters translate anywhere through XLA's.
+      model_config = model_config.replace(attention_impl='xla')
     tokenizer = Tokenizer.load(os.path.join(workdir, 'vocab.model'))
     if tokenizer.vocab_size != model_config.vocab_size:
       raise UserInputError(f'{tokenizer.path}: vocabulary has {tokenizer.vocab_size} pieces but '
