@@ -106,3 +106,27 @@ def test_a_cudnn_trained_model_translates_on_cpu_through_xla_attention(tmp_path)
   sentences = ['three hundred forty-two', 'seven']
   assert float32.translate(sentences, beam_size=1) == reference.translate(sentences, beam_size=1)
   assert len(loaded.translate(sentences, beam_size=1)) == 2  # bfloat16 runs too
+
+
+def test_repeated_batch_shapes_compile_once():
+  """Batches are padded to fixed rows and power-of-two source lengths: new sentences of
+  already-seen bucket lengths reuse the compiled decoders (issue 7: no recompilation)."""
+  translator = random_weight_translator()
+  max_len = translator.model_config.max_len
+
+  def bucket(sentences):  # one batch each here: the bucket of its longest sentence (+ EOS)
+    return _bucket(max(len(translator.tokenizer.encode(s)) + 1 for s in sentences), max_len)
+
+  first = ['one', 'two hundred', 'three thousand four hundred five']
+  again = ['nine', 'eight hundred one', 'seven thousand four hundred six']
+  longer = [' '.join(['nine hundred ninety-nine thousand'] * 4)]
+  assert bucket(first) == bucket(again) == 16 and bucket(longer) == 32
+  translator.translate(first, beam_size=1)
+  translator.translate(first, beam_size=2)
+  compiled = (translator._greedy._cache_size(), translator._beam._cache_size())
+  assert compiled == (1, 1)
+  translator.translate(again, beam_size=1)
+  translator.translate(again, beam_size=2)
+  assert (translator._greedy._cache_size(), translator._beam._cache_size()) == compiled
+  translator.translate(longer, beam_size=1)
+  assert translator._greedy._cache_size() == 2
