@@ -4,7 +4,8 @@
         [--config.data.dir=PATH/TO/multi30k]
 
 The paper's base model is far too big for 29k pairs; a small model with strong dropout does well
-(cf. the Transformer-tiny reference in the data's README: 4+4 layers, width 128, dropout 0.3).
+(d_model 256, 3+3 layers, 7.6M parameters; the data README's Transformer-tiny reference, 4+4
+layers of width 128, learns much more slowly per CPU-hour).
 """
 
 import os
@@ -37,13 +38,17 @@ def get_config():
   config.model.num_heads = 4
   config.model.num_encoder_layers = 3
   config.model.num_decoder_layers = 3
-  config.model.dropout_rate = 0.3
+  # 0.2 rather than the reference's 0.3: this wider model underfits less with it.
+  config.model.dropout_rate = 0.2
   config.model.attention_dropout_rate = 0.1
   config.model.max_len = 128
 
-  config.num_train_steps = 6000
-  config.warmup_steps = 1000
-  config.learning_rate_scale = 1.0
+  # The measured run (README): 3,000 steps of ~4k tokens = 20 epochs, ~2 h on a 2-core CPU;
+  # sacreBLEU on test2016 38.5 with beam 4 and the last 5 checkpoints averaged.
+  config.num_train_steps = 3000
+  config.warmup_steps = 500
+  # Peak learning rate 0.7 x 256^-0.5 x 500^-0.5 = 1.96e-3 at step 500.
+  config.learning_rate_scale = 0.7
   config.label_smoothing = 0.1
 
   config.log_every_steps = 100
