@@ -9,7 +9,7 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
-from transformer_jax import sharding, train_lib
+from transformer_jax import host_memory, sharding, train_lib
 from transformer_jax.checkpointing import CorruptCheckpointError
 from transformer_jax.config import UserInputError
 from transformer_jax.metric_writers import quiet_library_logs
@@ -34,6 +34,8 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   quiet_library_logs()
+  if FLAGS.config.get('reuse_host_memory', True):
+    host_memory.reuse_freed_memory()  # Before anything starts JAX's threads.
   try:
     sharding.initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes,
                                     FLAGS.process_id, force=FLAGS.jax_distributed)

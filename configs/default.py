@@ -136,6 +136,13 @@ def get_config() -> ml_collections.ConfigDict:
   # Greedily decode the whole test_split after training; report exact match, BLEU and chrF.
   config.final_test_decode = True
 
+  # --- Host -------------------------------------------------------------------------------
+  # Linux (glibc): keep memory XLA frees for the next step rather than returning it to the
+  # kernel (one malloc arena, no mmap for large blocks, no trimming; host_memory.py). On the CPU
+  # backend each step otherwise page-faults its temporaries back in: measured 1.3x faster steps
+  # for the base model on 2 cores. The process keeps its peak heap until it exits.
+  config.reuse_host_memory = True
+
   # --- Devices ----------------------------------------------------------------------------
   # Mesh shape over the axes ('data', 'fsdp', 'tensor'); one -1 = all remaining devices.
   # 'data': batch split, parameters replicated. 'fsdp': batch split and parameters/optimiser

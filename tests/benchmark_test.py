@@ -27,16 +27,19 @@ def test_training_flops_equal_a_hand_computation():
   cfg = TransformerConfig(vocab_size=10, d_model=4, d_ff=8, num_heads=2, num_encoder_layers=1,
                           num_decoder_layers=2)
   # Per attention: query, key, value, out = 4 x 4 each = 64; FFN: 2 x 4 x 8 = 64.
-  # Encoder: 1 x (64 + 64) = 128. Decoder: 2 x (2 x 64 + 64) = 384. Output: 4 x 10 = 40.
-  assert benchmark.matmul_params(cfg) == {'encoder': 128, 'decoder': 384, 'output': 40}
+  # Encoder: 1 x (64 + 64) = 128. Decoder: 2 x (2 x 64 + 64) = 384, of which the
+  # cross-attention key and value kernels (2 x 2 x 16 = 64) multiply source tokens.
+  # Output: 4 x 10 = 40.
+  assert benchmark.matmul_params(cfg) == {'encoder': 128, 'decoder': 320,
+                                          'decoder_cross_kv': 64, 'output': 40}
   # Two rows: sources of 3 and 5 tokens (S = 8), targets of 2 and 4 (T = 6).
   flops = benchmark.training_flops(cfg, [3, 5], [2, 4])
-  # Dense: 6 x (128 x 8 + (384 + 40) x 6) = 6 x 3568.
-  assert flops['dense'] == 21408
+  # Dense: 6 x ((128 + 64) x 8 + (320 + 40) x 6) = 6 x 3696.
+  assert flops['dense'] == 22176
   # Attention: 6 x h (d_k + d_v) = 6 x 2 x (2 + 2) = 48 per (query, key) pair and layer:
   # encoder 1 x (3^2 + 5^2) = 34, decoder 2 x ((2^2 + 4^2) + (2 x 3 + 4 x 5)) = 92.
   assert flops['attention'] == 48 * (34 + 92) == 6048
-  assert flops['total'] == 21408 + 6048
+  assert flops['total'] == 22176 + 6048
 
 
 def test_attention_flops_match_the_issue_statement_on_padded_batches():

@@ -18,13 +18,14 @@ to --json. Every rate is divided by limits measured in the same run:
 
 Model FLOPs per training step (`training_flops`; backward = 2 x forward, hence the 6):
 
-  6 x (P_enc x S + P_dec x T + d_model x V x T)
+  6 x ((P_enc + P_xkv) x S + P_dec x T + d_model x V x T)
   + 6 x h x (d_k + d_v) x sum over rows of [N_enc x s^2 + N_dec x (t^2 + t x s)]
 
 P_enc / P_dec: matmul parameters of the encoder / decoder stacks (attention projections and FFN
-kernels; no embeddings, biases or LayerNorms), d_model x V the output projection (the shared
-embedding used as a matrix), S / T the source / target tokens of the batch, s / t the lengths of
-one row, N_enc / N_dec the layer counts. The attention term counts Q K^T and the weighted sum
+kernels; no embeddings, biases or LayerNorms), except P_xkv, the decoder's cross-attention key
+and value projections, which apply to the source tokens; d_model x V the output projection (the
+shared embedding used as a matrix), S / T the source / target tokens of the batch, s / t the
+lengths of one row, N_enc / N_dec the layer counts. The attention term counts Q K^T and the weighted sum
 of values (2 x q x k x h x d_k + 2 x q x k x h x d_v forward) for encoder self-attention,
 decoder self-attention (the full t x t square: the causal mask saves no work) and
 cross-attention. With h x d_k = h x d_v = d_model it is 6 x 2 x layers x len^2 x d_model x rows
@@ -59,7 +60,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from transformer_jax import train_lib
+from transformer_jax import host_memory, train_lib
 # DECODE_MODES and BATCHING_MODES are re-exported: the report and users read them from here.
 from transformer_jax.benchmark_decoding import (DECODE_MODES, benchmark_decoding,  # noqa: F401
                                                suppress_eos, trained_decoding)
@@ -70,9 +71,10 @@ from transformer_jax.models import Transformer, count_params
 from transformer_jax.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 
 FLOPS_FORMULA = (
-    '6 x (P_enc x S + P_dec x T + d_model x V x T) + 6 x h x (d_k + d_v) x sum_rows '
+    '6 x ((P_enc + P_xkv) x S + P_dec x T + d_model x V x T) + 6 x h x (d_k + d_v) x sum_rows '
     '[N_enc x s^2 + N_dec x (t^2 + t x s)]; P_* = matmul parameters (attention projections, '
-    'FFN kernels), d_model x V = output projection, S/T = source/target tokens; padded lengths '
+    'FFN kernels; P_xkv = decoder cross-attention key/value, applied to source tokens), '
+    'd_model x V = output projection, S/T = source/target tokens; padded lengths '
     'for flops_per_step (hardware work), real lengths for useful_flops_per_step')
 
 SIZES = ('tiny', 'small', 'base', 'big')
@@ -147,13 +149,20 @@ def size_spec(name: str, base_config: ml_collections.ConfigDict, *, dtype: str,
 # ------------------------------------------------------------------------------ FLOPs --
 
 def matmul_params(cfg: TransformerConfig) -> dict[str, int]:
-  """Parameters used as matrix-product weights: per stack and the output projection."""
+  """Parameters used as matrix-product weights: per stack and the output projection.
+
+  'decoder_cross_kv' (the decoder's cross-attention key and value kernels) is apart from
+  'decoder' because those kernels multiply the source tokens, the rest of the decoder the
+  target tokens.
+  """
   d, h = cfg.d_model, cfg.num_heads
   qk, v = cfg.head_qk_dim, cfg.head_v_dim
   attention = d * h * qk * 2 + d * h * v + h * v * d  # query, key, value, out.
+  cross_kv = d * h * qk + d * h * v
   ffn = 2 * d * cfg.d_ff
   return {'encoder': cfg.num_encoder_layers * (attention + ffn),
-          'decoder': cfg.num_decoder_layers * (2 * attention + ffn),
+          'decoder': cfg.num_decoder_layers * (2 * attention - cross_kv + ffn),
+          'decoder_cross_kv': cfg.num_decoder_layers * cross_kv,
           'output': d * cfg.vocab_size}
 
 
@@ -166,7 +175,8 @@ def training_flops(cfg: TransformerConfig, source_lengths: Sequence[int],
   s = np.asarray(source_lengths, np.float64)
   t = np.asarray(target_lengths, np.float64)
   p = matmul_params(cfg)
-  dense = 6.0 * (p['encoder'] * s.sum() + (p['decoder'] + p['output']) * t.sum())
+  dense = 6.0 * ((p['encoder'] + p['decoder_cross_kv']) * s.sum()
+                 + (p['decoder'] + p['output']) * t.sum())
   per_score = cfg.num_heads * (cfg.head_qk_dim + cfg.head_v_dim)  # FLOPs/2 per (q, k) pair.
   attention = 6.0 * per_score * (cfg.num_encoder_layers * (s * s).sum()
                                  + cfg.num_decoder_layers * (t * t + t * s).sum())
@@ -400,7 +410,8 @@ def run(config: ml_collections.ConfigDict, options: Options,
   report: dict[str, Any] = {
       'machine': machine_info(),
       'settings': {**dataclasses.asdict(options), 'dtype': dtype, 'peak_n': peak_n,
-                   'flops_formula': FLOPS_FORMULA},
+                   'flops_formula': FLOPS_FORMULA,
+                   'reuse_host_memory': host_memory.is_applied()},
   }
   progress(f'peak: timing a {peak_n}x{peak_n} {dtype} matmul')
   report['peak'] = measure_peak(peak_n, dtype, options.peak_repeats)
@@ -512,6 +523,8 @@ def main(argv):
     raise SystemExit(f'unexpected arguments: {argv[1:]}')
   quiet_library_logs()
   f = flags.FLAGS
+  if f.config.get('reuse_host_memory', True):
+    host_memory.reuse_freed_memory()  # Before anything starts JAX's threads, as train.py.
   options = Options(
       sizes=[s for s in f.sizes if s], sections=[s for s in f.sections if s],
       dtype=f.dtype or '', dropout=f.dropout,

@@ -25,7 +25,8 @@ import optax
 from absl import logging
 from flax.training import train_state
 
-from transformer_jax import batching, evaluate, input_pipeline, inference, sharding
+from transformer_jax import (batching, evaluate, host_memory, input_pipeline, inference,
+                            sharding)
 from transformer_jax.checkpointing import Checkpointer, CorruptCheckpointError
 from transformer_jax.config import TransformerConfig, UserInputError
 from transformer_jax.decode import strip_after_eos
@@ -442,6 +443,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   Returns the last evaluation's metrics (and the final test exact match when configured).
   SIGTERM/SIGINT save a checkpoint at the current step and return early with 'preempted': 1.
   """
+  if config.get('reuse_host_memory', True):
+    # First: it covers only threads JAX starts afterwards.
+    host_memory.reuse_freed_memory()
   _validate(config)
   workdir = os.path.abspath(workdir)
   with WorkdirLock(workdir, jax.process_index()), _PreemptionFlag() as preemption:
