@@ -134,6 +134,8 @@ def test_cli_writes_a_complete_report(tmp_path):
 
   assert report['machine']['device_count'] >= 1 and report['machine']['cpu_count'] >= 1
   assert report['settings']['flops_formula'] == benchmark.FLOPS_FORMULA
+  # Like train.py, the benchmark keeps freed host memory (config.reuse_host_memory).
+  assert report['settings']['reuse_host_memory'] == sys.platform.startswith('linux')
   assert report['peak']['flops_per_second'] > 0
 
   (row,) = report['training']
@@ -143,6 +145,8 @@ def test_cli_writes_a_complete_report(tmp_path):
               'first_step_seconds', 'peak_memory_bytes', 'xla_step_memory_bytes'):
     assert row[key] > 0, (key, row[key])
   assert 0 < row['useful_mfu'] < row['mfu'] < 1.5
+  assert row['step_seconds_min'] <= row['step_seconds_median'] <= row['step_seconds'] * 2
+  assert row['mfu'] <= row['mfu_best_step'] and row['mfu_median_step'] <= row['mfu_best_step']
   assert row['useful_flops_per_step'] < row['flops_per_step']
   assert row['target_tokens_per_second'] < row['padded_target_tokens_per_second']
   assert np.isfinite(row['final_loss'])

@@ -263,12 +263,17 @@ def benchmark_training(spec: SizeSpec, *, steps: int, warmup_steps: int, peak_fl
     state, metrics = trainer.step(state, batches[(i + 1) % num_batches])
   jax.block_until_ready((state, metrics))
 
-  start = time.perf_counter()
+  # Each step timed on its own (ended with block_until_ready), so a noisy machine shows as a
+  # spread: the mean is what a run gets, the best what the hardware can do.
+  step_times = []
   for i in range(steps):
+    start = time.perf_counter()
     state, metrics = trainer.step(state, batches[i % num_batches])
-  jax.block_until_ready((state, metrics))
-  elapsed = time.perf_counter() - start
-  step_time = elapsed / max(steps, 1)
+    jax.block_until_ready((state, metrics))
+    step_times.append(time.perf_counter() - start)
+  step_time = float(np.mean(step_times)) if step_times else float('nan')
+  median_step, best_step = ((float(np.median(step_times)), min(step_times)) if step_times
+                            else (float('nan'), float('nan')))
   loss = float(metrics['loss_sum']) / max(float(metrics['token_count']), 1.0)
 
   padded = training_flops(spec.model_config, [spec.source_length] * rows,
@@ -296,6 +301,8 @@ def benchmark_training(spec: SizeSpec, *, steps: int, warmup_steps: int, peak_fl
       'real_target_tokens_per_step': real_targets,
       'timed_steps': steps,
       'step_seconds': step_time,
+      'step_seconds_median': median_step,
+      'step_seconds_min': best_step,
       'steps_per_second': 1.0 / step_time,
       'examples_per_second': rows / step_time,
       'target_tokens_per_second': real_targets / step_time,
@@ -306,6 +313,8 @@ def benchmark_training(spec: SizeSpec, *, steps: int, warmup_steps: int, peak_fl
       'useful_flops_per_step': float(useful),
       'achieved_flops_per_second': achieved,
       'mfu': achieved / (peak_flops * devices),
+      'mfu_median_step': padded['total'] / median_step / (peak_flops * devices),
+      'mfu_best_step': padded['total'] / best_step / (peak_flops * devices),
       'useful_mfu': useful / step_time / (peak_flops * devices),
       'first_step_seconds': first_step,
       'peak_memory_bytes': memory,
