@@ -142,11 +142,13 @@ def test_cli_writes_a_complete_report(tmp_path):
   for key in ('params', 'batch_rows', 'step_seconds', 'steps_per_second',
               'target_tokens_per_second', 'padded_target_tokens_per_second', 'flops_per_step',
               'useful_flops_per_step', 'achieved_flops_per_second', 'mfu', 'useful_mfu',
-              'first_step_seconds', 'peak_memory_bytes', 'xla_step_memory_bytes'):
+              'first_step_seconds', 'trace_seconds', 'compile_seconds', 'peak_memory_bytes',
+              'xla_step_memory_bytes'):
     assert row[key] > 0, (key, row[key])
   assert 0 < row['useful_mfu'] < row['mfu'] < 1.5
   assert row['step_seconds_min'] <= row['step_seconds_median'] <= row['step_seconds'] * 2
   assert row['mfu'] <= row['mfu_best_step'] and row['mfu_median_step'] <= row['mfu_best_step']
+  assert row['trace_seconds'] + row['compile_seconds'] < row['first_step_seconds']
   assert row['useful_flops_per_step'] < row['flops_per_step']
   assert row['target_tokens_per_second'] < row['padded_target_tokens_per_second']
   assert np.isfinite(row['final_loss'])

@@ -18,11 +18,8 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:
   sys.path.insert(0, REPO_ROOT)
 
-# As train.py does, before JAX starts its threads: freed host memory is reused, not faulted in
-# again by every step (transformer_jax/host_memory.py).
-from transformer_jax import host_memory  # noqa: E402
-
-host_memory.reuse_freed_memory()
+# Not host_memory.reuse_freed_memory() (train.py's default): its single malloc arena slows
+# XLA's multi-threaded compilation by ~30%, and this suite is mostly compilation.
 
 
 def tiny_config(data_dir: str):

@@ -229,7 +229,9 @@ def test_kill_9_at_random_moments_then_resume_equals_uninterrupted(tmp_path, dat
   # longer than the 10 steps), so most kills land during a save; 3 kept, so old ones are
   # being deleted too.
   flags = [f'--config.num_train_steps={steps}', '--config.checkpoint_every_steps=10',
-           '--config.keep_checkpoints=3', '--config.log_every_steps=5']
+           '--config.keep_checkpoints=3', '--config.log_every_steps=5',
+           # Mostly compilation, which one malloc arena slows (host_memory.py).
+           '--config.reuse_host_memory=false']
   # Compiling dominates each start; XLA's CPU backend compiles ~2x faster at optimisation
   # level 0, and every run here uses the same flags, so bitwise equality is unaffected.
   env = dict(os.environ, XLA_FLAGS='--xla_backend_optimization_level=0 '

@@ -255,10 +255,18 @@ def benchmark_training(spec: SizeSpec, *, steps: int, warmup_steps: int, peak_fl
   state = trainer.init_state(seed)
   params_count = count_params(state.params)
 
-  start = time.perf_counter()
+  # Time to the first step, in parts: tracing and lowering, XLA compilation (the jitted call
+  # below then finds the executable in JAX's cache), and the first call itself, which also
+  # touches all of the step's memory for the first time.
+  started = time.perf_counter()
+  with jax.set_mesh(trainer.mesh), nn.logical_axis_rules(trainer.rules):
+    lowered = trainer.train_step.lower(state, trainer.global_batch(batches[0]))
+    lowered_at = time.perf_counter()
+    lowered.compile()
+  compiled_at = time.perf_counter()
   state, metrics = trainer.step(state, batches[0])
   jax.block_until_ready((state, metrics))
-  first_step = time.perf_counter() - start
+  first_step = time.perf_counter() - started
   for i in range(warmup_steps):
     state, metrics = trainer.step(state, batches[(i + 1) % num_batches])
   jax.block_until_ready((state, metrics))
@@ -317,6 +325,8 @@ def benchmark_training(spec: SizeSpec, *, steps: int, warmup_steps: int, peak_fl
       'mfu_best_step': padded['total'] / best_step / (peak_flops * devices),
       'useful_mfu': useful / step_time / (peak_flops * devices),
       'first_step_seconds': first_step,
+      'trace_seconds': lowered_at - started,
+      'compile_seconds': compiled_at - lowered_at,
       'peak_memory_bytes': memory,
       'peak_memory_source': memory_source,
       'final_loss': loss,
