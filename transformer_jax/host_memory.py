@@ -8,8 +8,9 @@ temporaries as new pages: about a million page faults per base-model step, 7 s o
 spent in the kernel on the 2-core benchmark machine. `reuse_freed_memory` tells glibc to keep
 one heap for all threads, never to use mmap for large blocks and never to trim, so from the
 second step on the same pages are reused and no page faults remain (bench/README.md,
-"Optimisations tried"). The cost is that the process keeps its peak heap until it exits, which a
-training or decoding process reaches anyway.
+"Optimisations tried": base steps 1.33x faster). The costs: the process keeps its peak heap until
+it exits, and fragmentation makes that larger than one step needs (base: 10-14 GB RSS instead of
+5.7 GB); and XLA's compiler threads share the one arena, so compiling is ~1.5x slower.
 
 It acts through `mallopt`, so only with glibc (Linux), and it must run before JAX starts its
 threads (i.e. before the first JAX computation or device query) to cover them: the entry points
