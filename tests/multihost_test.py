@@ -46,8 +46,6 @@ def get_config():
   config.eval_every_steps = 1000
   config.eval_decode_examples = 32  # Decoded across both processes at the final evaluation.
   config.eval_batch_size = 16
-  # These runs are mostly compilation, which one malloc arena slows (host_memory.py).
-  config.reuse_host_memory = False
   return config
 ''')
   return str(path)
