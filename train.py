@@ -34,8 +34,7 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   quiet_library_logs()
-  if FLAGS.config.get('reuse_host_memory', True):
-    host_memory.reuse_freed_memory()  # Before anything starts JAX's threads.
+  host_memory.reuse_freed_memory_if_configured(FLAGS.config)  # Before JAX starts threads.
   try:
     sharding.initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes,
                                     FLAGS.process_id, force=FLAGS.jax_distributed)

@@ -262,7 +262,7 @@ def benchmark_training(spec: SizeSpec, *, steps: int, warmup_steps: int, peak_fl
   with jax.set_mesh(trainer.mesh), nn.logical_axis_rules(trainer.rules):
     lowered = trainer.train_step.lower(state, trainer.global_batch(batches[0]))
     lowered_at = time.perf_counter()
-    lowered.compile()
+    compiled = lowered.compile()
   compiled_at = time.perf_counter()
   state, metrics = trainer.step(state, batches[0])
   jax.block_until_ready((state, metrics))
@@ -331,19 +331,14 @@ def benchmark_training(spec: SizeSpec, *, steps: int, warmup_steps: int, peak_fl
       'peak_memory_source': memory_source,
       'final_loss': loss,
   }
-  row.update(_compiled_memory(trainer, state, batches[0]))
+  row.update(_compiled_memory(compiled))
   return row, state.params
 
 
-def _compiled_memory(trainer: train_lib.Trainer, state, batch) -> dict:
-  """XLA's own account of the step's memory (arguments + outputs + temporaries, per device).
-
-  Lowering the same shapes again hits the compilation cache, so this costs no compile.
-  """
+def _compiled_memory(compiled) -> dict:
+  """XLA's own account of the step's memory (arguments + outputs + temporaries, per device)."""
   try:
-    with jax.set_mesh(trainer.mesh), nn.logical_axis_rules(trainer.rules):
-      stats = trainer.train_step.lower(state, trainer.global_batch(batch)).compile()
-      stats = stats.memory_analysis()
+    stats = compiled.memory_analysis()
     total = (stats.argument_size_in_bytes + stats.output_size_in_bytes
              - stats.alias_size_in_bytes + stats.temp_size_in_bytes)
     return {'xla_step_memory_bytes': float(total),
@@ -542,8 +537,7 @@ def main(argv):
     raise SystemExit(f'unexpected arguments: {argv[1:]}')
   quiet_library_logs()
   f = flags.FLAGS
-  if f.config.get('reuse_host_memory', True):
-    host_memory.reuse_freed_memory()  # Before anything starts JAX's threads, as train.py.
+  host_memory.reuse_freed_memory_if_configured(f.config)  # Before JAX starts threads.
   options = Options(
       sizes=[s for s in f.sizes if s], sections=[s for s in f.sections if s],
       dtype=f.dtype or '', dropout=f.dropout,

@@ -58,6 +58,11 @@ def reuse_freed_memory() -> bool:
   return _applied
 
 
+def reuse_freed_memory_if_configured(config) -> bool:
+  """`reuse_freed_memory()` unless the training config sets `reuse_host_memory` False."""
+  return config.get('reuse_host_memory', True) and reuse_freed_memory()
+
+
 def is_applied() -> bool:
   """Whether `reuse_freed_memory` has taken effect in this process."""
   return _applied

@@ -443,9 +443,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   Returns the last evaluation's metrics (and the final test exact match when configured).
   SIGTERM/SIGINT save a checkpoint at the current step and return early with 'preempted': 1.
   """
-  if config.get('reuse_host_memory', True):
-    # First: it covers only threads JAX starts afterwards.
-    host_memory.reuse_freed_memory()
+  # First: it covers only threads JAX starts afterwards.
+  host_memory.reuse_freed_memory_if_configured(config)
   _validate(config)
   workdir = os.path.abspath(workdir)
   with WorkdirLock(workdir, jax.process_index()), _PreemptionFlag() as preemption:
