@@ -13,8 +13,12 @@ Variants that exist in the library are config changes (`xla_attention`, `remat`,
 variant's step is traced, kept here only so that the measurements in bench/README.md can be
 repeated: `fused_qkv` (one matmul for the self-attention query/key/value projections, kernels
 concatenated at run time), `dropout_bits16` (dropout masks from 16 random bits per element
-instead of 32) and `onehot_loss` (the label-smoothed loss through a [batch, length, vocab]
-one-hot matrix, as the loss was before it avoided one).
+instead of 32), `onehot_loss` (the label-smoothed loss through a [batch, length, vocab]
+one-hot matrix, as the loss was before it avoided one) and `autodiff_kernel_grads` (projection
+kernel gradients as autodiff writes them, a product contracting both operands' leading axis,
+as they were before `models._matmul_row_major_grads`).
+
+The process reuses freed host memory (`host_memory.reuse_freed_memory`), as train.py does.
 """
 
 import contextlib
@@ -33,7 +37,7 @@ import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 from configs import default  # noqa: E402
-from transformer_jax import benchmark, models, train_lib  # noqa: E402
+from transformer_jax import benchmark, host_memory, models, train_lib  # noqa: E402
 
 flags.DEFINE_string('size', 'small', 'tiny, small or base (see transformer_jax.benchmark)')
 flags.DEFINE_list('variants', ['baseline', 'fused_qkv', 'onehot_loss', 'dropout_bits16',
@@ -49,7 +53,7 @@ _CONFIG_CHANGES = {
     'no_attention_dropout': dict(attention_dropout_rate=0.0),
     'xla_attention': dict(attention_dropout_rate=0.0, attention_impl='xla'),
     'remat': dict(remat=True),
-    'fused_qkv': {}, 'dropout_bits16': {}, 'onehot_loss': {},
+    'fused_qkv': {}, 'dropout_bits16': {}, 'onehot_loss': {}, 'autodiff_kernel_grads': {},
 }
 
 
@@ -61,6 +65,11 @@ def _onehot_loss(logits, targets, weights, label_smoothing=0.1):
   entropy = -(confidence * np.log(confidence) + (vocab_size - 1) * low * np.log(low))
   per_token = (-(soft_targets * log_probs).sum(-1) - entropy) * weights
   return per_token.sum(), weights.sum()
+
+
+def _autodiff_project(x, kernel, num_in_axes):
+  return jax.lax.dot_general(x, kernel, ((tuple(range(x.ndim - num_in_axes, x.ndim)),
+                                          tuple(range(num_in_axes))), ((), ())))
 
 
 def _bernoulli_from_16_bits(key, p, shape):
@@ -104,7 +113,7 @@ def _fused_qkv_attention(original):
 @contextlib.contextmanager
 def _patched(variant):
   saved = (flax_stochastic.random.bernoulli, train_lib.label_smoothed_cross_entropy,
-           models.MultiHeadAttention.__call__)
+           models.MultiHeadAttention.__call__, models._project)
   try:
     if variant == 'dropout_bits16':
       flax_stochastic.random.bernoulli = _bernoulli_from_16_bits
@@ -112,14 +121,17 @@ def _patched(variant):
       train_lib.label_smoothed_cross_entropy = _onehot_loss
     elif variant == 'fused_qkv':
       models.MultiHeadAttention.__call__ = _fused_qkv_attention(saved[2])
+    elif variant == 'autodiff_kernel_grads':
+      models._project = _autodiff_project
     yield
   finally:
     (flax_stochastic.random.bernoulli, train_lib.label_smoothed_cross_entropy,
-     models.MultiHeadAttention.__call__) = saved
+     models.MultiHeadAttention.__call__, models._project) = saved
 
 
 def main(argv):
   del argv
+  host_memory.reuse_freed_memory()
   unknown = [v for v in FLAGS.variants if v not in _CONFIG_CHANGES]
   if unknown:
     raise app.UsageError(f'unknown variant(s) {unknown}; known: {sorted(_CONFIG_CHANGES)}')

@@ -16,7 +16,7 @@ from flax.linen import meta
 
 from transformer_jax import inference
 from transformer_jax.config import TransformerConfig
-from transformer_jax.models import (PAD_ID, MultiHeadAttention, Transformer,
+from transformer_jax.models import (PAD_ID, MultiHeadAttention, Projection, Transformer,
                                     causal_padding_mask, count_params,
                                     dot_product_attention_weights, padding_mask,
                                     sinusoidal_positions)
@@ -127,6 +127,37 @@ def test_multi_head_attention_matches_numpy(qk_dim, v_dim):
   (sown,) = state['intermediates']['attention_weights']
   np.testing.assert_allclose(np.asarray(sown), weights, atol=1e-6)
   assert np.all(np.asarray(sown)[0, :, :, 2:] < 1e-6)  # row 0's padded keys
+
+
+# (x features, kernel shape, num_in_axes): both branches of the kernel gradient (x narrower
+# than dy: transpose x; x wider: transpose dy) and a two-axis contraction (attention output).
+@pytest.mark.parametrize('features, num_in_axes, in_shape', [
+    ((12,), 1, (5,)), ((3,), 1, (7,)), ((2, 4), 1, (6,)), ((6,), 2, (2, 4))])
+def test_projection_gradients_equal_plain_dot_general(features, num_in_axes, in_shape):
+  # The CPU path's custom VJP (explicit transposes for the kernel gradient) must give exactly
+  # the gradients of the one-line contraction it replaces.
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.normal(size=(2, 3, *in_shape)), jnp.float32)
+  layer = Projection(features, num_in_axes, ('a',) * (num_in_axes + len(features)))
+  params = meta.unbox(layer.init(jax.random.key(0), x))['params']
+  params = jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), jnp.float32), params)
+  cotangent = jnp.asarray(rng.normal(size=(2, 3, *features)), jnp.float32)
+
+  def projection_loss(params, x):
+    return jnp.sum(layer.apply({'params': params}, x) * cotangent)
+
+  def reference_loss(params, x):
+    contracted = tuple(range(x.ndim - num_in_axes, x.ndim))
+    y = jax.lax.dot_general(x, params['kernel'], ((contracted, tuple(range(num_in_axes))),
+                                                  ((), ()))) + params['bias']
+    return jnp.sum(y * cotangent)
+
+  got = jax.grad(projection_loss, argnums=(0, 1))(params, x)
+  want = jax.grad(reference_loss, argnums=(0, 1))(params, x)
+  np.testing.assert_allclose(got[0]['kernel'], want[0]['kernel'], rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(got[0]['bias'], want[0]['bias'], rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(got[1], want[1], rtol=1e-5, atol=1e-5)
+  assert np.abs(want[0]['kernel']).max() > 0.1  # a real gradient, not zeros on both sides
 
 
 def test_dot_product_attention_weights_masks_and_normalises():
