@@ -147,6 +147,9 @@ def test_cli_writes_a_complete_report(tmp_path):
     assert row[key] > 0, (key, row[key])
   assert 0 < row['useful_mfu'] < row['mfu'] < 1.5
   assert row['step_seconds_min'] <= row['step_seconds_median'] <= row['step_seconds'] * 2
+  assert len(row['step_seconds_each']) == row['timed_steps']
+  assert np.isclose(np.mean(row['step_seconds_each']), row['step_seconds'])
+  assert min(row['step_seconds_each']) == row['step_seconds_min']
   assert row['mfu'] <= row['mfu_best_step'] and row['mfu_median_step'] <= row['mfu_best_step']
   assert row['trace_seconds'] + row['compile_seconds'] < row['first_step_seconds']
   assert row['useful_flops_per_step'] < row['flops_per_step']

@@ -311,6 +311,7 @@ def benchmark_training(spec: SizeSpec, *, steps: int, warmup_steps: int, peak_fl
       'step_seconds': step_time,
       'step_seconds_median': median_step,
       'step_seconds_min': best_step,
+      'step_seconds_each': [float(t) for t in step_times],
       'steps_per_second': 1.0 / step_time,
       'examples_per_second': rows / step_time,
       'target_tokens_per_second': real_targets / step_time,
