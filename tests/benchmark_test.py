@@ -150,6 +150,12 @@ def test_cli_writes_a_complete_report(tmp_path):
   assert len(row['step_seconds_each']) == row['timed_steps']
   assert np.isclose(np.mean(row['step_seconds_each']), row['step_seconds'])
   assert min(row['step_seconds_each']) == row['step_seconds_min']
+  # Each step paired with the peak timed just before it.
+  assert len(row['peak_flops_each']) == row['timed_steps']
+  paired = [row['flops_per_step'] / (t * p) for t, p in
+            zip(row['step_seconds_each'], row['peak_flops_each'])]
+  assert np.isclose(row['mfu_paired_median'], np.median(paired))
+  assert 0 < row['mfu_paired_median'] < 1.5
   assert row['mfu'] <= row['mfu_best_step'] and row['mfu_median_step'] <= row['mfu_best_step']
   assert row['trace_seconds'] + row['compile_seconds'] < row['first_step_seconds']
   assert row['useful_flops_per_step'] < row['flops_per_step']

@@ -82,6 +82,9 @@ SIZES = ('tiny', 'small', 'base', 'big')
 _FIRST_TOKEN_ID = max(PAD_ID, EOS_ID, BOS_ID, UNK_ID) + 1
 # Real lengths of synthetic rows: this fraction of the padded length.
 _REAL_LENGTH_FRACTION = (0.7, 0.8)
+# Peak matmuls timed before each training step (best kept) for `mfu_paired_median`: enough to
+# catch the machine's speed of the moment, few enough not to lengthen a run much.
+_PAIRED_PEAK_REPEATS = 2
 
 
 # ------------------------------------------------------------------------------ Sizes --
@@ -186,22 +189,34 @@ def training_flops(cfg: TransformerConfig, source_lengths: Sequence[int],
 
 # ------------------------------------------------------------------------------- Peak --
 
+class PeakTimer:
+  """Times an n x n @ n x n product in `dtype` on one device; compiled once, timed on demand."""
+
+  def __init__(self, n: int, dtype: str, device: jax.Device | None = None):
+    self.n, self.dtype = n, dtype
+    device = device or jax.devices()[0]
+    self._dot = jax.jit(jnp.dot)
+    keys = jax.random.split(jax.random.PRNGKey(0))
+    self._a, self._b = (
+        jax.device_put(jax.random.normal(k, (n, n), jnp.float32).astype(dtype), device)
+        for k in keys)
+    jax.block_until_ready(self._dot(self._a, self._b))  # Compile and warm up.
+
+  def measure(self, repeats: int) -> dict:
+    """Best-of-`repeats` FLOP/s."""
+    times = []
+    for _ in range(max(repeats, 1)):
+      start = time.perf_counter()
+      jax.block_until_ready(self._dot(self._a, self._b))
+      times.append(time.perf_counter() - start)
+    best = min(times)
+    return {'n': self.n, 'dtype': self.dtype, 'repeats': len(times), 'best_seconds': best,
+            'flops': 2.0 * self.n ** 3, 'flops_per_second': 2.0 * self.n ** 3 / best}
+
+
 def measure_peak(n: int, dtype: str, repeats: int, device: jax.Device | None = None) -> dict:
   """Best-of-`repeats` FLOP/s of an n x n @ n x n product in `dtype` on one device."""
-  device = device or jax.devices()[0]
-  dot = jax.jit(jnp.dot)
-  keys = jax.random.split(jax.random.PRNGKey(0))
-  a, b = (jax.device_put(jax.random.normal(k, (n, n), jnp.float32).astype(dtype), device)
-          for k in keys)
-  jax.block_until_ready(dot(a, b))  # Compile and warm up.
-  times = []
-  for _ in range(max(repeats, 1)):
-    start = time.perf_counter()
-    jax.block_until_ready(dot(a, b))
-    times.append(time.perf_counter() - start)
-  best = min(times)
-  return {'n': n, 'dtype': dtype, 'repeats': len(times), 'best_seconds': best,
-          'flops': 2.0 * n ** 3, 'flops_per_second': 2.0 * n ** 3 / best}
+  return PeakTimer(n, dtype, device).measure(repeats)
 
 
 # --------------------------------------------------------------------------- Training --
@@ -243,8 +258,13 @@ def peak_memory(device: jax.Device) -> tuple[float | None, str]:
 
 
 def benchmark_training(spec: SizeSpec, *, steps: int, warmup_steps: int, peak_flops: float,
-                       seed: int = 0, num_batches: int = 4) -> tuple[dict, Any]:
-  """Times `steps` training steps after `warmup_steps`; returns (row, trained params)."""
+                       seed: int = 0, num_batches: int = 4,
+                       peak_probe: Callable[[], float] | None = None) -> tuple[dict, Any]:
+  """Times `steps` training steps after `warmup_steps`; returns (row, trained params).
+
+  `peak_probe` (optional) times the peak matmul again, in FLOP/s, right before every timed
+  step, so that each step's MFU divides by the limit of its own moment (`mfu_paired_median`).
+  """
   trainer = train_lib.Trainer(spec.config, spec.model_config)
   devices = trainer.mesh.devices.size
   rows = spec.rows_per_device * devices  # Global; each process feeds its local devices' rows.
@@ -273,8 +293,10 @@ def benchmark_training(spec: SizeSpec, *, steps: int, warmup_steps: int, peak_fl
 
   # Each step timed on its own (ended with block_until_ready), so a noisy machine shows as a
   # spread: the mean is what a run gets, the best what the hardware can do.
-  step_times = []
+  step_times, step_peaks = [], []
   for i in range(steps):
+    if peak_probe is not None:
+      step_peaks.append(peak_probe())
     start = time.perf_counter()
     state, metrics = trainer.step(state, batches[i % num_batches])
     jax.block_until_ready((state, metrics))
@@ -324,6 +346,12 @@ def benchmark_training(spec: SizeSpec, *, steps: int, warmup_steps: int, peak_fl
       'mfu': achieved / (peak_flops * devices),
       'mfu_median_step': padded['total'] / median_step / (peak_flops * devices),
       'mfu_best_step': padded['total'] / best_step / (peak_flops * devices),
+      # Each step against the peak timed just before it: robust to a machine whose speed
+      # drifts during the run (other tenants), which moves the step and its limit alike.
+      'peak_flops_each': [float(p) for p in step_peaks],
+      'mfu_paired_median': (float(np.median([padded['total'] / (t * p * devices)
+                                             for t, p in zip(step_times, step_peaks)]))
+                            if step_peaks else None),
       'useful_mfu': useful / step_time / (peak_flops * devices),
       'first_step_seconds': first_step,
       'trace_seconds': lowered_at - started,
@@ -429,7 +457,8 @@ def run(config: ml_collections.ConfigDict, options: Options,
                    'reuse_host_memory': host_memory.is_applied()},
   }
   progress(f'peak: timing a {peak_n}x{peak_n} {dtype} matmul')
-  report['peak'] = measure_peak(peak_n, dtype, options.peak_repeats)
+  peak_timer = PeakTimer(peak_n, dtype)
+  report['peak'] = peak_timer.measure(options.peak_repeats)
   peak = report['peak']['flops_per_second']
 
   specs = {name: size_spec(name, config, dtype=dtype, dropout=options.dropout,
@@ -444,7 +473,8 @@ def run(config: ml_collections.ConfigDict, options: Options,
       progress(f'training: {name}')
       row, params = benchmark_training(spec, steps=options.train_steps,
                                        warmup_steps=options.warmup_steps, peak_flops=peak,
-                                       seed=options.seed)
+                                       seed=options.seed, peak_probe=lambda: peak_timer.measure(
+                                           _PAIRED_PEAK_REPEATS)['flops_per_second'])
       report['training'].append(row)
       steps_per_second[name] = row['steps_per_second']
     if 'decode' in options.sections:

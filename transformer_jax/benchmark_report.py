@@ -32,12 +32,14 @@ def format_report(report: dict) -> str:
   if report.get('training'):
     out += ['training (FLOPs: ' + FLOPS_FORMULA + ')', _table(
         ['size', 'params', 'batch', 'tgt tok/s', 'FLOPs/step', 'FLOP/s', 'MFU', 'useful MFU',
-         'MFU med/best', 'step s', 'first step s', 'compile s', 'peak mem', 'XLA step mem'],
+         'MFU med/best', 'MFU paired', 'step s', 'first step s', 'compile s', 'peak mem', 'XLA step mem'],
         [[r['size'], _si(r['params']), f'{r["batch_rows"]}x{r["source_length"]}/'
           f'{r["target_length"]}', _si(r['target_tokens_per_second']),
           _si(r['flops_per_step']), _si(r['achieved_flops_per_second']), f'{r["mfu"]:.1%}',
           f'{r["useful_mfu"]:.1%}',
-          f'{r["mfu_median_step"]:.1%}/{r["mfu_best_step"]:.1%}', f'{r["step_seconds"]:.3f}',
+          f'{r["mfu_median_step"]:.1%}/{r["mfu_best_step"]:.1%}',
+          '-' if r.get('mfu_paired_median') is None else f'{r["mfu_paired_median"]:.1%}',
+          f'{r["step_seconds"]:.3f}',
           f'{r["first_step_seconds"]:.1f}', f'{r["compile_seconds"]:.1f}',
           _si(r['peak_memory_bytes'], 'B'),
           _si(r.get('xla_step_memory_bytes'), 'B')] for r in report['training']]), '']
