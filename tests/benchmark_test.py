@@ -137,6 +137,9 @@ def test_cli_writes_a_complete_report(tmp_path):
   # Like train.py, the benchmark keeps freed host memory (config.reuse_host_memory).
   assert report['settings']['reuse_host_memory'] == sys.platform.startswith('linux')
   assert report['peak']['flops_per_second'] > 0
+  # The limit is the fastest peak product of the whole run, the start's or a probe's.
+  assert report['peak']['flops_per_second'] == max(report['peak']['initial_flops_per_second'],
+                                                   *report['training'][0]['peak_flops_each'])
 
   (row,) = report['training']
   for key in ('params', 'batch_rows', 'step_seconds', 'steps_per_second',
@@ -156,6 +159,8 @@ def test_cli_writes_a_complete_report(tmp_path):
             zip(row['step_seconds_each'], row['peak_flops_each'])]
   assert np.isclose(row['mfu_paired_median'], np.median(paired))
   assert 0 < row['mfu_paired_median'] < 1.5
+  assert row['peak_flops_used'] == report['peak']['flops_per_second']
+  assert np.isclose(row['mfu'], row['achieved_flops_per_second'] / row['peak_flops_used'])
   assert row['mfu'] <= row['mfu_best_step'] and row['mfu_median_step'] <= row['mfu_best_step']
   assert row['trace_seconds'] + row['compile_seconds'] < row['first_step_seconds']
   assert row['useful_flops_per_step'] < row['flops_per_step']

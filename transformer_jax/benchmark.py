@@ -257,6 +257,16 @@ def peak_memory(device: jax.Device) -> tuple[float | None, str]:
   return float(rss), 'process peak RSS (whole run so far)'
 
 
+def set_mfu(row: dict, peak_flops: float) -> None:
+  """A training row's MFU figures against `peak_flops` per device (`peak_flops_used`)."""
+  limit = peak_flops * row['devices']
+  row['peak_flops_used'] = peak_flops
+  row['mfu'] = row['achieved_flops_per_second'] / limit
+  row['mfu_median_step'] = row['flops_per_step'] / row['step_seconds_median'] / limit
+  row['mfu_best_step'] = row['flops_per_step'] / row['step_seconds_min'] / limit
+  row['useful_mfu'] = row['useful_flops_per_step'] / row['step_seconds'] / limit
+
+
 def benchmark_training(spec: SizeSpec, *, steps: int, warmup_steps: int, peak_flops: float,
                        seed: int = 0, num_batches: int = 4,
                        peak_probe: Callable[[], float] | None = None) -> tuple[dict, Any]:
@@ -343,16 +353,12 @@ def benchmark_training(spec: SizeSpec, *, steps: int, warmup_steps: int, peak_fl
       'flops_per_step_attention': padded['attention'],
       'useful_flops_per_step': float(useful),
       'achieved_flops_per_second': achieved,
-      'mfu': achieved / (peak_flops * devices),
-      'mfu_median_step': padded['total'] / median_step / (peak_flops * devices),
-      'mfu_best_step': padded['total'] / best_step / (peak_flops * devices),
       # Each step against the peak timed just before it: robust to a machine whose speed
       # drifts during the run (other tenants), which moves the step and its limit alike.
       'peak_flops_each': [float(p) for p in step_peaks],
       'mfu_paired_median': (float(np.median([padded['total'] / (t * p * devices)
                                              for t, p in zip(step_times, step_peaks)]))
                             if step_peaks else None),
-      'useful_mfu': useful / step_time / (peak_flops * devices),
       'first_step_seconds': first_step,
       'trace_seconds': lowered_at - started,
       'compile_seconds': compiled_at - lowered_at,
@@ -361,6 +367,7 @@ def benchmark_training(spec: SizeSpec, *, steps: int, warmup_steps: int, peak_fl
       'final_loss': loss,
   }
   row.update(_compiled_memory(compiled))
+  set_mfu(row, peak_flops)
   return row, state.params
 
 
@@ -459,7 +466,7 @@ def run(config: ml_collections.ConfigDict, options: Options,
   progress(f'peak: timing a {peak_n}x{peak_n} {dtype} matmul')
   peak_timer = PeakTimer(peak_n, dtype)
   report['peak'] = peak_timer.measure(options.peak_repeats)
-  peak = report['peak']['flops_per_second']
+  peak = report['peak']['initial_flops_per_second'] = report['peak']['flops_per_second']
 
   specs = {name: size_spec(name, config, dtype=dtype, dropout=options.dropout,
                               attention_impl=options.attention_impl, remat=options.remat,
@@ -477,6 +484,13 @@ def run(config: ml_collections.ConfigDict, options: Options,
                                            _PAIRED_PEAK_REPEATS)['flops_per_second'])
       report['training'].append(row)
       steps_per_second[name] = row['steps_per_second']
+      # The limit is the fastest the peak product ran at any point of the run: a start that
+      # happened to be slow must not inflate every MFU.
+      peak = max(peak, *row['peak_flops_each'])
+  if report['training']:
+    report['peak']['flops_per_second'] = peak  # The initial figure stays in 'initial_...'.
+    for row in report['training']:
+      set_mfu(row, peak)
     if 'decode' in options.sections:
       progress(f'decoding: {name}')
       if params is None:

@@ -27,8 +27,11 @@ def format_report(report: dict) -> str:
   m, peak = report['machine'], report['peak']
   out = [f'machine: {m["device_count"]} x {m["device_kind"]} ({m["platform"]}), '
          f'{m["cpu_count"]} CPUs, jax {m["jax"]}, {m["date"]}',
-         f'peak: {peak["n"]}x{peak["n"]} {peak["dtype"]} matmul, best of {peak["repeats"]}: '
-         f'{_si(peak["flops_per_second"], "FLOP/s")} per device', '']
+         f'peak: {peak["n"]}x{peak["n"]} {peak["dtype"]} matmul: '
+         f'{_si(peak["flops_per_second"], "FLOP/s")} per device (the fastest in the run; '
+         f'best of {peak["repeats"]} at the start: '
+         f'{_si(peak.get("initial_flops_per_second", peak["flops_per_second"]), "FLOP/s")})',
+         '']
   if report.get('training'):
     out += ['training (FLOPs: ' + FLOPS_FORMULA + ')', _table(
         ['size', 'params', 'batch', 'tgt tok/s', 'FLOPs/step', 'FLOP/s', 'MFU', 'useful MFU',
