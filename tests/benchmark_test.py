@@ -187,3 +187,34 @@ def test_cli_writes_a_complete_report(tmp_path):
   modes = pipeline['modes']
   assert (modes['packed']['padding_fraction'] < modes['tokens']['padding_fraction']
           < modes['fixed']['padding_fraction'])
+
+
+def test_run_trains_and_decodes_every_size_against_the_runs_fastest_peak(monkeypatch):
+  """run()'s bookkeeping, with the timing functions replaced by fakes: every size is trained
+  and decoded, and every row's MFU divides by the fastest peak seen in the whole run."""
+  from configs import default
+  probe_peaks = {'tiny': [100e9, 300e9], 'small': [200e9, 250e9]}
+
+  def fake_training(spec, *, peak_flops, peak_probe, **unused):
+    del unused
+    assert peak_probe() > 0  # the real probe works (the peak product at --peak_n)
+    row = {'size': spec.name, 'devices': 1, 'steps_per_second': 1.0,
+           'achieved_flops_per_second': 60e9, 'flops_per_step': 60e9,
+           'useful_flops_per_step': 30e9, 'step_seconds': 1.0, 'step_seconds_median': 1.0,
+           'step_seconds_min': 0.5, 'peak_flops_each': probe_peaks[spec.name]}
+    benchmark.set_mfu(row, peak_flops)
+    return row, {'params': spec.name}
+
+  decoded = []
+  monkeypatch.setattr(benchmark, 'benchmark_training', fake_training)
+  monkeypatch.setattr(benchmark, 'synthetic_decoding',
+                      lambda spec, params, **unused: decoded.append((spec.name, params)) or {})
+  report = benchmark.run(default.get_config(), benchmark.Options(
+      sizes=['tiny', 'small'], sections=['train', 'decode'], peak_n=64, peak_repeats=1))
+  assert [row['size'] for row in report['training']] == ['tiny', 'small']
+  assert decoded == [('tiny', {'params': 'tiny'}), ('small', {'params': 'small'})]
+  assert report['peak']['flops_per_second'] == 300e9  # a probe of tiny's steps
+  for row in report['training']:
+    assert row['peak_flops_used'] == 300e9
+    assert row['mfu'] == pytest.approx(0.2) and row['mfu_best_step'] == pytest.approx(0.4)
+    assert row['useful_mfu'] == pytest.approx(0.1)

@@ -487,10 +487,6 @@ def run(config: ml_collections.ConfigDict, options: Options,
       # The limit is the fastest the peak product ran at any point of the run: a start that
       # happened to be slow must not inflate every MFU.
       peak = max(peak, *row['peak_flops_each'])
-  if report['training']:
-    report['peak']['flops_per_second'] = peak  # The initial figure stays in 'initial_...'.
-    for row in report['training']:
-      set_mfu(row, peak)
     if 'decode' in options.sections:
       progress(f'decoding: {name}')
       if params is None:
@@ -503,6 +499,10 @@ def run(config: ml_collections.ConfigDict, options: Options,
           batches=options.decode_batches, beam_size=options.beam_size, alpha=options.alpha,
           seed=options.seed))
     del params
+  if report['training']:
+    report['peak']['flops_per_second'] = peak  # The initial figure stays in 'initial_...'.
+    for row in report['training']:
+      set_mfu(row, peak)
   if 'decode' in options.sections and options.workdir:
     progress(f'decoding: trained model in {options.workdir}')
     report['decoding'].append(trained_decoding(
