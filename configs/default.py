@@ -141,7 +141,7 @@ def get_config() -> ml_collections.ConfigDict:
   # kernel (one malloc arena, no mmap for large blocks, no trimming; host_memory.py). On the CPU
   # backend each step otherwise page-faults its temporaries back in: measured 1.33x faster steps
   # for the base model on 2 cores. Costs: the process keeps its (fragmented) peak heap until it
-  # exits (base: 10-14 GB RSS instead of 5.7 GB) and compiles ~1.5x slower (one malloc arena).
+  # exits (base: 6-15 GB RSS instead of 5.7 GB) and compiles ~1.3-1.8x slower (one malloc arena).
   config.reuse_host_memory = True
 
   # --- Devices ----------------------------------------------------------------------------

@@ -9,8 +9,8 @@ spent in the kernel on the 2-core benchmark machine. `reuse_freed_memory` tells 
 one heap for all threads, never to use mmap for large blocks and never to trim, so from the
 second step on the same pages are reused and no page faults remain (bench/README.md,
 "Optimisations tried": base steps 1.33x faster). The costs: the process keeps its peak heap until
-it exits, and fragmentation makes that larger than one step needs (base: 10-14 GB RSS instead of
-5.7 GB); and XLA's compiler threads share the one arena, so compiling is ~1.5x slower.
+it exits, and fragmentation makes that larger than one step needs (base: 6-15 GB RSS instead of
+5.7 GB); and XLA's compiler threads share the one arena, so compiling is ~1.3-1.8x slower.
 
 It acts through `mallopt`, so only with glibc (Linux), and it must run before JAX starts its
 threads (i.e. before the first JAX computation or device query) to cover them: the entry points
