@@ -16,7 +16,8 @@ concatenated at run time), `dropout_bits16` (dropout masks from 16 random bits p
 instead of 32), `onehot_loss` (the label-smoothed loss through a [batch, length, vocab]
 one-hot matrix, as the loss was before it avoided one) and `autodiff_kernel_grads` (projection
 kernel gradients as autodiff writes them, a product contracting both operands' leading axis,
-as they were before `models._matmul_row_major_grads`).
+as they were before `models._matmul_row_major_grads`). `threefry_unpartitionable` traces with
+`jax.threefry_partitionable(False)` (JAX's older, non-partitionable random-bit generation).
 
 The process reuses freed host memory (`host_memory.reuse_freed_memory`), as train.py does.
 """
@@ -55,6 +56,7 @@ _CONFIG_CHANGES = {
     'remat': dict(remat=True),
     'fused_qkv': {}, 'dropout_bits16': {}, 'onehot_loss': {}, 'autodiff_kernel_grads': {},
     'rbg_dropout': {},
+    'threefry_unpartitionable': {},
 }
 
 
@@ -135,6 +137,10 @@ def _patched(variant):
       models.MultiHeadAttention.__call__ = _fused_qkv_attention(saved[2])
     elif variant == 'autodiff_kernel_grads':
       models._project = _autodiff_project
+    if variant == 'threefry_unpartitionable':
+      with jax.threefry_partitionable(False):
+        yield
+      return
     yield
   finally:
     (flax_stochastic.random.bernoulli, train_lib.label_smoothed_cross_entropy,
