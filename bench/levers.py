@@ -122,6 +122,14 @@ def _fused_qkv_attention(original):
   return call
 
 
+def _traced_config(variant):
+  """JAX config a variant is traced under. It is part of jit's cache key, so it must also hold
+  at every timed call, or the call would retrace and recompile under the default."""
+  if variant == 'threefry_unpartitionable':
+    return jax.threefry_partitionable(False)
+  return contextlib.nullcontext()
+
+
 @contextlib.contextmanager
 def _patched(variant):
   saved = (flax_stochastic.random.bernoulli, train_lib.label_smoothed_cross_entropy,
@@ -137,11 +145,8 @@ def _patched(variant):
       models.MultiHeadAttention.__call__ = _fused_qkv_attention(saved[2])
     elif variant == 'autodiff_kernel_grads':
       models._project = _autodiff_project
-    if variant == 'threefry_unpartitionable':
-      with jax.threefry_partitionable(False):
-        yield
-      return
-    yield
+    with _traced_config(variant):
+      yield
   finally:
     (flax_stochastic.random.bernoulli, train_lib.label_smoothed_cross_entropy,
      models.MultiHeadAttention.__call__, models._project) = saved
@@ -181,7 +186,8 @@ def main(argv):
       run = runs[variant]
       for i in range(FLAGS.steps):
         start = time.perf_counter()
-        run['state'], metrics = run['trainer'].step(run['state'], batches[i % 2])
+        with _traced_config(variant):
+          run['state'], metrics = run['trainer'].step(run['state'], batches[i % 2])
         jax.block_until_ready(metrics)
         run['times'].append(time.perf_counter() - start)
   peak = max(peaks)
