@@ -344,6 +344,20 @@ def test_bfloat16_compute():
   assert np.abs(logits - reference).max() < 0.05 * np.abs(reference).max()
 
 
+def _assert_same_training_gradients(params, cfg, reference_cfg):
+  """Parameter gradients of a training-mode loss agree, leaf by leaf, to 1e-5 of each's max."""
+  def loss(params, cfg):
+    logits = Transformer(cfg).apply({'params': params}, SRC, TGT, deterministic=False)
+    return jnp.mean(jax.nn.log_softmax(logits)[..., 3])
+
+  grads = jax.jit(jax.grad(loss), static_argnums=1)(params, cfg)
+  reference_grads = jax.jit(jax.grad(loss), static_argnums=1)(params, reference_cfg)
+  for got, want in zip(jax.tree_util.tree_leaves(grads),
+                       jax.tree_util.tree_leaves(reference_grads)):
+    assert np.abs(want).max() > 0
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
 def test_remat_gives_the_same_logits_and_gradients():
   cfg = TINY.replace(remat=True)
   assert (jax.tree_util.tree_structure(_param_shapes(cfg))
@@ -353,17 +367,8 @@ def test_remat_gives_the_same_logits_and_gradients():
 
   # Recomputation inside the scanned stack, through the projections' custom VJP, must give
   # the gradients of storing the activations (dropout off, so no RNG bookkeeping enters).
-  def loss(params, cfg):
-    logits = Transformer(cfg.replace(dropout_rate=0.0, attention_dropout_rate=0.0)).apply(
-        {'params': params}, SRC, TGT, deterministic=False)
-    return jnp.mean(jax.nn.log_softmax(logits)[..., 3])
-
-  grads = jax.jit(jax.grad(loss), static_argnums=1)(params, cfg)
-  reference_grads = jax.jit(jax.grad(loss), static_argnums=1)(params, TINY)
-  for got, want in zip(jax.tree_util.tree_leaves(grads),
-                       jax.tree_util.tree_leaves(reference_grads)):
-    assert np.abs(want).max() > 0
-    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+  no_dropout = dict(dropout_rate=0.0, attention_dropout_rate=0.0)
+  _assert_same_training_gradients(params, cfg.replace(**no_dropout), TINY.replace(**no_dropout))
 
 
 def test_xla_attention_impl_gives_the_same_logits_gradients_and_cache():
@@ -375,16 +380,7 @@ def test_xla_attention_impl_gives_the_same_logits_gradients_and_cache():
   np.testing.assert_allclose(_logits(cfg, params), _logits(reference_cfg, params),
                              rtol=0, atol=1e-5)
 
-  def loss(params, cfg):
-    logits = Transformer(cfg).apply({'params': params}, SRC, TGT, deterministic=False)
-    return jnp.mean(jax.nn.log_softmax(logits)[..., 3])
-
-  grads = jax.jit(jax.grad(loss), static_argnums=1)(params, cfg)
-  reference_grads = jax.jit(jax.grad(loss), static_argnums=1)(params, reference_cfg)
-  for got, want in zip(jax.tree_util.tree_leaves(grads),
-                       jax.tree_util.tree_leaves(reference_grads)):
-    assert np.abs(want).max() > 0
-    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+  _assert_same_training_gradients(params, cfg, reference_cfg)
 
   src = np.array([[5, 6, 7, 8, 0, 0], [9, 4, 3, 12, 20, 11]], np.int32)
   decoded = [np.asarray(jax.jit(functools.partial(inference.greedy_decode, Transformer(c),

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from transformer_jax.benchmark_decoding import DECODE_MODES
+from transformer_jax.benchmark_flops import FLOPS_FORMULA
+
 
 def _si(value: float | None, unit: str = '') -> str:
   if value is None:
@@ -22,8 +25,6 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 
 def format_report(report: dict) -> str:
-  # Imported here: benchmark.py imports this module for format_report.
-  from transformer_jax.benchmark import DECODE_MODES, FLOPS_FORMULA
   m, peak = report['machine'], report['peak']
   out = [f'machine: {m["device_count"]} x {m["device_kind"]} ({m["platform"]}), '
          f'{m["cpu_count"]} CPUs, jax {m["jax"]}, {m["date"]}',
@@ -35,7 +36,8 @@ def format_report(report: dict) -> str:
   if report.get('training'):
     out += ['training (FLOPs: ' + FLOPS_FORMULA + ')', _table(
         ['size', 'params', 'batch', 'tgt tok/s', 'FLOPs/step', 'FLOP/s', 'MFU', 'useful MFU',
-         'MFU med/best', 'MFU paired', 'step s', 'first step s', 'compile s', 'peak mem', 'XLA step mem'],
+         'MFU med/best', 'MFU paired', 'step s', 'first step s', 'compile s', 'peak mem',
+         'XLA step mem'],
         [[r['size'], _si(r['params']), f'{r["batch_rows"]}x{r["source_length"]}/'
           f'{r["target_length"]}', _si(r['target_tokens_per_second']),
           _si(r['flops_per_step']), _si(r['achieved_flops_per_second']), f'{r["mfu"]:.1%}',
