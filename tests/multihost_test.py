@@ -80,6 +80,8 @@ def _run_pair(workdir, config_path, preempt_after_step=None):
     assert time.time() < deadline, ''.join(output[-30:])
   codes = [process.wait(timeout=120) for process in processes]
   other = processes[1].stdout.read()
+  for process in processes:
+    process.stdout.close()
   assert codes == [0, 0], ''.join(output[-30:]) + other[-3000:]
   return ''.join(output), other
 

@@ -1,6 +1,7 @@
 """Never lose a run: non-finite steps skipped, one run per workdir, SIGTERM saves and exits 0."""
 
 import os
+import pathlib
 import signal
 import subprocess
 import sys
@@ -157,7 +158,7 @@ def _damage(checkpoint_dir, step, how):
             if os.path.isfile(f) and os.sep + 'd' + os.sep in f]
   assert chunks
   for target in chunks:
-    data = bytearray(open(target, 'rb').read())
+    data = bytearray(pathlib.Path(target).read_bytes())
     if how == 'truncate':
       data = data[:len(data) // 3]
     else:

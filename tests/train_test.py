@@ -1,6 +1,7 @@
 """End to end through the command lines: train.py on a shrunken config, then translate."""
 
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -45,7 +46,7 @@ def test_train_py_writes_everything_inference_needs(trained_workdir):
             for f in os.listdir(os.path.join(workdir, 'tensorboard'))
             if f.startswith('events.out.tfevents')]
   assert events
-  content = b''.join(open(f, 'rb').read() for f in events)
+  content = b''.join(pathlib.Path(f).read_bytes() for f in events)
   for tag in (b'train/loss', b'train/learning_rate', b'train/target_tokens_per_second',
               b'eval/loss', b'eval/bleu', b'eval/samples', b'test/exact_match'):
     assert tag in content, tag
@@ -168,6 +169,7 @@ def test_translate_is_interactive_on_a_terminal(trained_workdir):
   finally:
     if process.poll() is None:
       process.kill()
+    process.stdout.close()
     os.close(leader)
 
 
