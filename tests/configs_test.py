@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer_jax import Transformer, train_lib
+from transformer_jax import Transformer, run_config, train_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_NAMES = sorted(os.path.basename(p)[:-3] for p in glob.glob(f'{REPO}/configs/*.py')
@@ -30,7 +30,7 @@ def test_all_configs_are_covered():
 @pytest.mark.parametrize('name', CONFIG_NAMES)
 def test_config_validates_and_builds_a_model(name):
   config = importlib.import_module(f'configs.{name}').get_config()
-  train_lib._validate(config)
+  run_config.validate_run_config(config)
   model_config = train_lib.model_config_from(config, vocab_size=config.vocab_size)
   assert model_config.max_len >= max(config.max_source_length, config.max_target_length)
   assert _parameter_count(model_config) > 0

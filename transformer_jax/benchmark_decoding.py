@@ -14,7 +14,7 @@ import flax.linen as nn
 import jax
 import numpy as np
 
-from transformer_jax import inference, input_pipeline, train_lib
+from transformer_jax import inference, input_pipeline, run_config
 from transformer_jax.config import TransformerConfig
 from transformer_jax.models import Transformer
 from transformer_jax.tokenizer import EOS_ID, PAD_ID
@@ -109,7 +109,7 @@ def trained_decoding(workdir: str, *, batch_size: int, batches: int, beam_size: 
   from transformer_jax.translate import Translator
 
   translator = Translator.from_checkpoint(workdir)
-  with open(os.path.join(workdir, train_lib.CONFIG_FILE)) as f:
+  with open(os.path.join(workdir, run_config.CONFIG_FILE)) as f:
     saved = json.load(f)['config']
   source_length, max_decode_len = saved['max_source_length'], saved['max_target_length']
   numbers = number_words.sample_numbers('test', batch_size * batches, seed=0)

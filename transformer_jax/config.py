@@ -77,6 +77,10 @@ class TransformerConfig:
       value = getattr(self, name)
       if not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
         raise UserInputError(f'TransformerConfig.{name} must be in [0, 1), got {value!r}')
+    if (not isinstance(self.layer_norm_epsilon, (int, float))
+        or isinstance(self.layer_norm_epsilon, bool) or self.layer_norm_epsilon <= 0):
+      raise UserInputError('TransformerConfig.layer_norm_epsilon must be a positive number, '
+                           f'got {self.layer_norm_epsilon!r}')
     if self.attention_impl not in _ATTENTION_IMPLS:
       raise UserInputError(f'TransformerConfig.attention_impl must be one of '
                            f'{", ".join(_ATTENTION_IMPLS)}, got {self.attention_impl!r}')

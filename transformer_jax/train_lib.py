@@ -10,7 +10,6 @@ an update does not need twice the memory.
 from __future__ import annotations
 
 import functools
-import json
 import os
 import signal
 import time
@@ -34,10 +33,10 @@ from transformer_jax.losses import label_smoothed_cross_entropy
 from transformer_jax.metric_writers import MetricWriter, format_duration, log
 from transformer_jax.models import Transformer
 from transformer_jax.optim import make_optimizer
+from transformer_jax.run_config import save_run_config, validate_run_config
 from transformer_jax.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
 from transformer_jax.workdir_lock import WorkdirLock
 
-CONFIG_FILE = 'config.json'
 VOCAB_FILE = 'vocab.model'
 CHECKPOINT_DIR = 'checkpoints'
 
@@ -306,63 +305,6 @@ def _samples_markdown(sources, references, hypotheses, count: int = 3) -> str:
   return '\n'.join(rows)
 
 
-# Config fields that decide what the parameters and the data order mean: a resumed run must
-# keep them. Everything else (number of steps, intervals, paths, batch size) may change.
-_RESUME_FIXED_FIELDS = ('dataset', 'data.src_lang', 'data.tgt_lang', 'vocab_size',
-                        'vocab_model_type', 'max_source_length', 'max_target_length', 'seed')
-
-
-def _resume_fields(config_dict: dict, model: dict) -> dict:
-  fields = {f'model.{k}': v for k, v in model.items()}
-  for name in _RESUME_FIXED_FIELDS:
-    value = config_dict
-    for part in name.split('.'):
-      value = value.get(part) if isinstance(value, dict) else None
-    fields[name] = value
-  return fields
-
-
-def _save_config(config: ml_collections.ConfigDict, model_config: TransformerConfig,
-                 workdir: str) -> None:
-  """Writes the resolved config; on resume, refuses changes to fields the run depends on."""
-  path = os.path.join(workdir, CONFIG_FILE)
-  resolved = {'config': json.loads(config.to_json()), 'model': model_config.to_dict()}
-  if os.path.exists(path):
-    try:
-      with open(path) as f:
-        saved = json.load(f)
-    except json.JSONDecodeError as error:
-      raise UserInputError(f'{path}: not valid JSON ({error})') from None
-    before = _resume_fields(saved.get('config', {}), saved.get('model', {}))
-    after = _resume_fields(resolved['config'], resolved['model'])
-    differing = [k for k in after if before.get(k) != after[k]]
-    if differing:
-      details = ', '.join(f'{k}: {before.get(k)!r} -> {after[k]!r}' for k in differing)
-      raise UserInputError(f'{path}: resuming with changed fields ({details}); use a new '
-                           '--workdir or the original settings')
-  if jax.process_index() == 0:
-    tmp = path + '.tmp'
-    with open(tmp, 'w') as f:
-      json.dump(resolved, f, indent=2, sort_keys=True)
-    os.replace(tmp, path)
-
-
-def _validate(config: ml_collections.ConfigDict) -> None:
-  for name in ('per_device_batch_size', 'num_train_steps', 'log_every_steps',
-               'eval_every_steps', 'checkpoint_every_steps', 'keep_checkpoints',
-               'max_source_length', 'max_target_length', 'vocab_size', 'eval_batch_size',
-               'warmup_steps', 'grad_accum_steps'):
-    value = config[name]
-    if not isinstance(value, int) or value <= 0:
-      raise UserInputError(f'config.{name} must be a positive integer, got {value!r}')
-  if (not isinstance(config.max_consecutive_nonfinite_steps, int)
-      or config.max_consecutive_nonfinite_steps < 1):
-    raise UserInputError('config.max_consecutive_nonfinite_steps must be a positive integer, '
-                         f'got {config.max_consecutive_nonfinite_steps!r}')
-  if not 0.0 <= config.label_smoothing < 1.0:
-    raise UserInputError(f'config.label_smoothing must be in [0, 1), got {config.label_smoothing}')
-
-
 def _make_train_iterator(config: ml_collections.ConfigDict, split):
   """The training batches: fixed-size (sentences x max length), token-budget buckets or
   packed rows."""
@@ -445,7 +387,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   """
   # First: it covers only threads JAX starts afterwards.
   host_memory.reuse_freed_memory_if_configured(config)
-  _validate(config)
+  validate_run_config(config)
   workdir = os.path.abspath(workdir)
   with WorkdirLock(workdir, jax.process_index()), _PreemptionFlag() as preemption:
     return _train_and_evaluate(config, workdir, preemption)
@@ -457,7 +399,7 @@ def _train_and_evaluate(config, workdir, preemption: _PreemptionFlag) -> dict[st
   tokenizer = input_pipeline.load_or_train_tokenizer(config, workdir,
                                                      sources[config.train_split])
   model_config = model_config_from(config, tokenizer.vocab_size)
-  _save_config(config, model_config, workdir)
+  save_run_config(config, model_config, workdir)
   tokenized = input_pipeline.tokenized_splits(sources, tokenizer, config, workdir)
 
   trainer = Trainer(config, model_config)

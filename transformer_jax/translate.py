@@ -31,6 +31,7 @@ from transformer_jax.config import TransformerConfig, UserInputError
 from transformer_jax.decode import strip_after_eos
 from transformer_jax.metric_writers import quiet_library_logs
 from transformer_jax.models import Transformer
+from transformer_jax.run_config import CONFIG_FILE
 from transformer_jax.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
 
 _MIN_BUCKET = 8
@@ -89,7 +90,7 @@ class Translator:
     'latest', or None: the averaged checkpoint if it was made from the latest training
     checkpoint, else the latest training checkpoint.
     """
-    config_path = os.path.join(workdir, 'config.json')
+    config_path = os.path.join(workdir, CONFIG_FILE)
     if not os.path.exists(config_path):
       raise FileNotFoundError(f'{config_path} not found: is {workdir} a training workdir?')
     with open(config_path) as f:
