@@ -15,7 +15,7 @@ from transformer_jax import text_dataset, train_lib
 from transformer_jax.config import TransformerConfig, UserInputError
 from transformer_jax.evaluate import read_lines
 from transformer_jax.tokenizer import Tokenizer
-from transformer_jax.translate import Translator, checkpoint_flag_value
+from transformer_jax.translate import Translator, check_decoding_options, checkpoint_flag_value
 
 
 def _write(path, data: bytes):
@@ -138,6 +138,15 @@ CASES = [
      r'ref\.de:2: not valid UTF-8'),
     ('evaluate: missing source', lambda t, d: read_lines(str(t / 'src.en')), FileNotFoundError,
      r'src\.en: no such file'),
+    ('evaluate: a directory as source', lambda t, d: read_lines(str(t)), UserInputError,
+     r': is a directory, not a text file'),
+    ('beam size 0', lambda t, d: check_decoding_options(beam_size=0), UserInputError,
+     r'beam_size must be a positive integer, got 0'),
+    ('negative length penalty', lambda t, d: check_decoding_options(alpha=-0.5), UserInputError,
+     r'alpha must be a number >= 0, got -0\.5'),
+    ('translate batch size 0',
+     lambda t, d: Translator.from_checkpoint(str(t), batch_size=0), UserInputError,
+     r'batch_size must be a positive integer, got 0'),
 ]
 
 

@@ -146,6 +146,20 @@ def test_translate_file_input_and_output(trained_workdir, tmp_path):
   assert result.returncode == 2 and 'missing.txt: no such file' in result.stderr.decode()
 
 
+def test_bad_decoding_flags_are_one_line_errors_before_any_checkpoint_is_read(tmp_path):
+  """Checked before the workdir is read (it does not even exist here), so a typo costs seconds."""
+  workdir = tmp_path / 'no_such_workdir'
+  result = _run(['-m', 'transformer_jax.translate', f'--workdir={workdir}', '--beam_size=0'])
+  assert result.returncode == 2
+  assert result.stderr.decode().strip().splitlines()[-1] == \
+      'error: beam_size must be a positive integer, got 0'
+  result = _run(['-m', 'transformer_jax.evaluate', f'--workdir={workdir}', '--alpha=-1',
+                 f'--src={tmp_path}', f'--ref={tmp_path}'])
+  assert result.returncode == 2
+  assert result.stderr.decode().strip().splitlines()[-1] == \
+      'error: alpha must be a number >= 0, got -1.0'
+
+
 def test_translate_is_interactive_on_a_terminal(trained_workdir):
   """A pseudo-terminal on stdin: each typed line is answered before the next is typed."""
   import pty

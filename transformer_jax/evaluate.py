@@ -19,13 +19,15 @@ from absl import app, flags
 from transformer_jax.checkpointing import CorruptCheckpointError
 from transformer_jax.config import UserInputError
 from transformer_jax.metric_writers import quiet_library_logs
-from transformer_jax.translate import Translator, checkpoint_flag_value
+from transformer_jax.translate import Translator, check_decoding_options, checkpoint_flag_value
 
 
 def read_lines(path: str) -> list[str]:
   """Lines of a UTF-8 text file without their line endings (CRLF too)."""
-  if not os.path.isfile(path):
+  if not os.path.exists(path):
     raise FileNotFoundError(f'{path}: no such file')
+  if os.path.isdir(path):  # Pipes are fine: `--src=<(sacrebleu -t wmt14 ... --echo src)`.
+    raise UserInputError(f'{path}: is a directory, not a text file')
   with open(path, 'rb') as f:
     data = f.read()
   try:
@@ -83,6 +85,7 @@ def main(argv):
   del argv
   quiet_library_logs()
   try:
+    check_decoding_options(FLAGS.beam_size, FLAGS.alpha, FLAGS.batch_size)
     sources, references = read_lines(FLAGS.src), read_lines(FLAGS.ref)
     if len(sources) != len(references):
       raise UserInputError(f'{FLAGS.src} has {len(sources)} lines but {FLAGS.ref} has '

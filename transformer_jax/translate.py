@@ -61,11 +61,23 @@ class AttentionMaps:
   cross: np.ndarray  # [layers, heads, target, source]
 
 
+def check_decoding_options(beam_size: int = 4, alpha: float = 0.6, batch_size: int = 64) -> None:
+  """One-line errors for impossible decoding settings, raised before any checkpoint is read."""
+  if not isinstance(beam_size, int) or isinstance(beam_size, bool) or beam_size < 1:
+    raise UserInputError(f'beam_size must be a positive integer, got {beam_size!r}')
+  if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not alpha >= 0:
+    raise UserInputError(f'alpha must be a number >= 0, got {alpha!r}')
+  if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+    raise UserInputError(f'batch_size must be a positive integer, got {batch_size!r}')
+
+
 class Translator:
-  """Greedy translation with a restored model: `.translate(list_of_str) -> list_of_str`."""
+  """Translation with a restored model: `.translate(list_of_str) -> list_of_str` (beam search,
+  or greedy with beam_size=1)."""
 
   def __init__(self, model_config: TransformerConfig, params, tokenizer: Tokenizer,
                batch_size: int = 64):
+    check_decoding_options(batch_size=batch_size)
     self.model_config = model_config
     self.model = Transformer(model_config)
     self.params = params
@@ -90,6 +102,7 @@ class Translator:
     'latest', or None: the averaged checkpoint if it was made from the latest training
     checkpoint, else the latest training checkpoint.
     """
+    check_decoding_options(batch_size=batch_size)
     config_path = os.path.join(workdir, CONFIG_FILE)
     if not os.path.exists(config_path):
       raise FileNotFoundError(f'{config_path} not found: is {workdir} a training workdir?')
@@ -125,10 +138,7 @@ class Translator:
     + 50 tokens (and the model's max_len). Sentences are sorted by length into batches and
     returned in the original order.
     """
-    if not isinstance(beam_size, int) or beam_size < 1:
-      raise UserInputError(f'beam_size must be a positive integer, got {beam_size!r}')
-    if alpha < 0:
-      raise UserInputError(f'alpha must be >= 0, got {alpha!r}')
+    check_decoding_options(beam_size, alpha, self.batch_size)
     max_len = self.model_config.max_len
     encoded: list[list[int] | None] = []
     for index, sentence in enumerate(sentences):
@@ -264,8 +274,11 @@ def main(argv):
   del argv
   quiet_library_logs()
   try:
-    if FLAGS.input and not os.path.isfile(FLAGS.input):
+    check_decoding_options(FLAGS.beam_size, FLAGS.alpha, FLAGS.batch_size)
+    if FLAGS.input and not os.path.exists(FLAGS.input):
       raise FileNotFoundError(f'--input={FLAGS.input}: no such file')
+    if FLAGS.input and os.path.isdir(FLAGS.input):
+      raise UserInputError(f'--input={FLAGS.input}: is a directory, not a text file')
     translator = Translator.from_checkpoint(
         FLAGS.workdir, checkpoint_flag_value(FLAGS.checkpoint), FLAGS.batch_size)
   except (FileNotFoundError, UserInputError, CorruptCheckpointError) as error:
