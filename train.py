@@ -7,17 +7,15 @@ command resumes from the workdir's latest checkpoint.
 import sys
 
 from absl import app, flags
-from ml_collections import config_flags
 
-from transformer_jax import host_memory, sharding, train_lib
+from transformer_jax import host_memory, run_config, sharding, train_lib
 from transformer_jax.checkpointing import CorruptCheckpointError
 from transformer_jax.config import UserInputError
 from transformer_jax.metric_writers import quiet_library_logs
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string('workdir', None, 'Directory for checkpoints, vocabulary, config and logs.')
-config_flags.DEFINE_config_file('config', 'configs/default.py', 'Training configuration file.',
-                                lock_config=True)
+run_config.define_config_flag('configs/default.py', 'Training configuration file.')
 flags.DEFINE_string('coordinator_address', None,
                     'host:port of process 0, to run as one of several processes (multi-GPU '
                     'hosts, processes launched by hand); needs --num_processes, --process_id.')
@@ -34,11 +32,12 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f'unexpected arguments: {argv[1:]}')
   quiet_library_logs()
-  host_memory.reuse_freed_memory_if_configured(FLAGS.config)  # Before JAX starts threads.
+  config = run_config.loaded_config(FLAGS)
+  host_memory.reuse_freed_memory_if_configured(config)  # Before JAX starts threads.
   try:
     sharding.initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes,
                                     FLAGS.process_id, force=FLAGS.jax_distributed)
-    train_lib.train_and_evaluate(FLAGS.config, FLAGS.workdir)
+    train_lib.train_and_evaluate(config, FLAGS.workdir)
   except (UserInputError, FileNotFoundError) as error:
     # A mistake in what was given, not a bug: one line, no traceback, non-zero exit.
     print(f'error: {error}', file=sys.stderr)
@@ -52,4 +51,4 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  app.run(main)
+  app.run(main, flags_parser=run_config.parse_flags)

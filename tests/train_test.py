@@ -81,6 +81,29 @@ def test_train_py_invalid_size_is_a_one_line_error(tmp_path, data_dir):
   assert 'Traceback' not in result.stderr.decode()
 
 
+@pytest.mark.parametrize('flags, expected', [
+    (['--config.num_train_step=5'], "error: --config.*: the config has no field "
+     "'num_train_step' (Did you mean \"num_train_steps\" instead of \"num_train_step\"?)"),
+    (['--config=configs/multi30k.py', '--config.model.d_modle=8'],
+     "error: --config.*: the config has no field 'd_modle' (Did you mean \"d_model\" instead "
+     "of \"d_modle\"?)"),
+    (['--config=configs/missing.py'],
+     "error: --config: [Errno 2] No such file or directory: 'configs/missing.py'"),
+    (['--config={dir}/notes.py'], 'error: --config: invalid syntax (notes.py, line 2)'),
+], ids=['misspelt field, default file', 'misspelt field, named file', 'missing file',
+        'not python'])
+def test_train_py_config_flag_mistakes_are_one_line_errors(tmp_path, flags, expected):
+  """ml_collections reports these as tracebacks, the default file's overrides even before
+  absl parses the command line."""
+  (tmp_path / 'notes.py').write_text('# A config?\nnot python at all\n')
+  workdir = tmp_path / 'workdir'
+  result = _run(['train.py', f'--workdir={workdir}', *[f.format(dir=tmp_path) for f in flags]])
+  stderr = result.stderr.decode()
+  assert result.returncode == 2 and 'Traceback' not in stderr, stderr[-3000:]
+  assert stderr.strip().splitlines()[-1] == expected.format(dir=tmp_path)
+  assert not workdir.exists()  # Nothing was started.
+
+
 def test_averaged_checkpoint_is_loaded_by_name_and_by_default(trained_workdir):
   import jax
   import numpy as np

@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from transformer_jax import host_memory, train_lib
+from transformer_jax import host_memory, run_config, train_lib
 # DECODE_MODES and BATCHING_MODES are re-exported: users read them from here.
 from transformer_jax.benchmark_decoding import (DECODE_MODES, benchmark_decoding,  # noqa: F401
                                                suppress_eos, trained_decoding)
@@ -437,12 +437,11 @@ def run(config: ml_collections.ConfigDict, options: Options,
 
 def _define_flags():
   from absl import flags
-  from ml_collections import config_flags
 
   default_config = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 'configs', 'default.py')
-  config_flags.DEFINE_config_file(
-      'config', default_config, 'Training config: optimiser/mesh settings of every size and '
+  run_config.define_config_flag(
+      default_config, 'Training config: optimiser/mesh settings of every size and '
       "the 'tiny' model and batch.", lock_config=False)
   defaults = Options()
   flags.DEFINE_list('sizes', list(defaults.sizes), f'Model sizes, some of {", ".join(SIZES)}.')
@@ -495,7 +494,8 @@ def main(argv):
     raise SystemExit(f'unexpected arguments: {argv[1:]}')
   quiet_library_logs()
   f = flags.FLAGS
-  host_memory.reuse_freed_memory_if_configured(f.config)  # Before JAX starts threads.
+  config = run_config.loaded_config(f)
+  host_memory.reuse_freed_memory_if_configured(config)  # Before JAX starts threads.
   options = Options(
       sizes=[s for s in f.sizes if s], sections=[s for s in f.sections if s],
       dtype=f.dtype or '', dropout=f.dropout,
@@ -508,7 +508,7 @@ def main(argv):
       pipeline_batches=f.pipeline_batches, pipeline_max_length=f.pipeline_max_length,
       pipeline_size=f.pipeline_size, seed=f.seed)
   try:
-    report = run(f.config, options,
+    report = run(config, options,
                  progress=lambda message: print(f'[benchmark] {message}', file=sys.stderr,
                                                 flush=True))
   except (UserInputError, FileNotFoundError, CorruptCheckpointError) as error:
@@ -527,4 +527,4 @@ if __name__ == '__main__':
   from absl import app
 
   _define_flags()
-  app.run(main)
+  app.run(main, flags_parser=run_config.parse_flags)

@@ -10,13 +10,74 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import jax
 import ml_collections
+from absl import app
+from ml_collections import config_flags
 
 from transformer_jax.config import TransformerConfig, UserInputError
 
 CONFIG_FILE = 'config.json'
+
+# What ml_collections raises for a bad `--config.field=value` (a misspelt field, a value of the
+# wrong type) and, deferred to the first access of the flag, for a config file it cannot load.
+_CONFIG_FLAG_ERRORS = (AttributeError, KeyError, TypeError, ValueError, OSError, SyntaxError)
+
+
+def define_config_flag(default: str, help_text: str, lock_config: bool = True) -> None:
+  """`--config=FILE` (`get_config()` returning a ConfigDict) with `--config.field=value`.
+
+  ml_collections applies the overrides as soon as a file is loaded (the default file: while
+  the flag is defined) and reports a misspelt field or a missing file as a traceback; these
+  helpers make them one line and exit status 2. Entry points then call
+  `app.run(main, flags_parser=parse_flags)` and read the config with `loaded_config()`.
+  """
+  try:
+    config_flags.DEFINE_config_file('config', default, help_text, lock_config=lock_config)
+  except _CONFIG_FLAG_ERRORS as error:
+    _exit_with_config_error(error)
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing, with the config errors above as one line (for `app.run`)."""
+  try:
+    return app.parse_flags_with_usage(argv)
+  except _CONFIG_FLAG_ERRORS as error:
+    _exit_with_config_error(error)
+
+
+def loaded_config(flag_values) -> ml_collections.ConfigDict:
+  """The `--config` flag's ConfigDict, or a one-line error if its file did not load."""
+  try:
+    config = flag_values.config
+    config.keys()  # A file that did not load is a stand-in that raises on first use.
+    return config
+  except _CONFIG_FLAG_ERRORS as error:
+    _exit_with_config_error(error)
+
+
+def config_flag_message(error: BaseException) -> str:
+  """One line for ml_collections' multi-line config-flag errors."""
+  if isinstance(error, SyntaxError):
+    return f'--config: {error}'  # Names the file and line.
+  while error.args and isinstance(error.args[0], BaseException):
+    error = error.args[0]  # AttributeError(KeyError("'name'\nDid you mean ...?"))
+  text = error.args[0] if error.args and isinstance(error.args[0], str) else str(error)
+  lines = [line.strip() for line in text.splitlines() if line.strip()] or [repr(error)]
+  if isinstance(error, KeyError):
+    hint = f' ({lines[1]})' if len(lines) > 1 else ''
+    return f'--config.*: the config has no field {lines[0]}{hint}'
+  if isinstance(error, OSError):
+    # "Failed loading config file ...", "Attempted [...]:", the path, then the cause.
+    return f'--config: {lines[-1]}'
+  return f'--config: {" ".join(lines)}'
+
+
+def _exit_with_config_error(error: BaseException):
+  print(f'error: {config_flag_message(error)}', file=sys.stderr)
+  sys.exit(2)
 
 
 # Config fields that decide what the parameters and the data order mean: a resumed run must
