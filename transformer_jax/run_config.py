@@ -1,6 +1,8 @@
-"""The training config as a run sees it: checked once at start, saved in the workdir.
+"""The training config as a run sees it: read from the command line, checked once at start,
+saved in the workdir.
 
-`validate_run_config` turns impossible values into one-line `UserInputError`s naming the field
+`define_config_flag`, `parse_flags` and `loaded_config` give the entry points `--config=FILE`
+and `--config.field=value` with one-line errors; `validate_run_config` turns impossible values into one-line `UserInputError`s naming the field
 before anything is prepared or compiled; `save_run_config` writes `<workdir>/config.json` (all
 that inference needs besides the vocabulary and checkpoints) and, on resume, refuses changes to
 the fields the saved parameters and data order depend on.
