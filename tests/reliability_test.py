@@ -2,6 +2,7 @@
 
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -175,18 +176,31 @@ def straight_run(tmp_path_factory, data_dir):
   return workdir
 
 
+def _resumed_config(data_dir):
+  config = tiny_config(data_dir)
+  config.num_train_steps, config.log_every_steps = 8, 2
+  return config
+
+
+@pytest.fixture(scope='module')
+def stopped_and_resumed_run(tmp_path_factory, data_dir):
+  """Stopped at step 4, then resumed to 8 with changed safe fields (steps, logging): allowed."""
+  workdir = str(tmp_path_factory.mktemp('resumed'))
+  config = tiny_config(data_dir)
+  config.num_train_steps = 4
+  train_lib.train_and_evaluate(config, workdir)
+  train_lib.train_and_evaluate(_resumed_config(data_dir), workdir)
+  return workdir
+
+
 @pytest.mark.parametrize('how', ['truncate', 'flip'])
 def test_damaged_checkpoint_is_named_and_training_falls_back(tmp_path, data_dir, straight_run,
-                                                             how):
+                                                             stopped_and_resumed_run, how):
   from transformer_jax.checkpointing import CorruptCheckpointError
   from transformer_jax.translate import Translator
-  config = tiny_config(data_dir)
+  config = _resumed_config(data_dir)
   damaged = str(tmp_path / 'damaged')
-  # Stopped at 4, then resumed to 8 with changed safe fields (steps, logging): allowed.
-  config.num_train_steps = 4
-  train_lib.train_and_evaluate(config, damaged)
-  config.num_train_steps, config.log_every_steps = 8, 2
-  train_lib.train_and_evaluate(config, damaged)
+  shutil.copytree(stopped_and_resumed_run, damaged)  # Each case damages its own copy.
   _damage(os.path.join(damaged, 'checkpoints'), 8, how)
 
   with pytest.raises(CorruptCheckpointError,
