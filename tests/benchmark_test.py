@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from configs import default
 from conftest import REPO_ROOT
 from transformer_jax import benchmark
 from transformer_jax.config import TransformerConfig, UserInputError
@@ -69,7 +70,6 @@ def test_matmul_params_are_the_model_kernels(pre_norm, share_embeddings):
 
 
 def test_sizes_are_the_documented_models():
-  from configs import default
   config = default.get_config()
   tiny = benchmark.size_spec('tiny', config, dtype='float32')
   assert (tiny.model_config.d_model, tiny.model_config.vocab_size) == (128, 256)
@@ -89,6 +89,21 @@ def test_sizes_are_the_documented_models():
   assert 205e6 < count_params(_abstract_params(big.model_config)) < 215e6  # The paper: ~213M.
   with pytest.raises(UserInputError):
     benchmark.run(config, benchmark.Options(sizes=['huge']))
+
+
+@pytest.mark.parametrize('change, message', [
+    (dict(train_steps=0), '--train_steps must be an integer >= 1, got 0'),
+    (dict(rows_per_device=-1), '--rows_per_device must be an integer >= 0, got -1'),
+    (dict(beam_size=0), '--beam_size must be an integer >= 1, got 0'),
+    (dict(alpha=-1.0), '--alpha must be >= 0, got -1.0'),
+    (dict(dropout=1.0), '--dropout must be in [0, 1), got 1.0'),
+])
+def test_impossible_options_are_one_line_errors_before_anything_runs(change, message):
+  # Before: --train_steps=0 failed in the report ('float' object is not iterable) and
+  # --rows_per_device=-1 in numpy, both after compiling.
+  with pytest.raises(UserInputError) as raised:
+    benchmark.run(default.get_config(), benchmark.Options(**change))
+  assert str(raised.value) == message
 
 
 @pytest.mark.parametrize('pre_norm,share_embeddings', [(False, True), (True, False)])

@@ -357,6 +357,20 @@ class Options:
   seed: int = 0
 
 
+def _check_counts(options: Options) -> None:
+  positive = ('train_steps', 'peak_repeats', 'decode_batch_size', 'decode_source_length',
+              'decode_length', 'decode_batches', 'beam_size', 'pipeline_examples',
+              'pipeline_batches', 'pipeline_max_length')
+  for name in positive + ('rows_per_device', 'warmup_steps', 'peak_n'):
+    value, least = getattr(options, name), 1 if name in positive else 0
+    if not isinstance(value, int) or isinstance(value, bool) or value < least:
+      raise UserInputError(f'--{name} must be an integer >= {least}, got {value!r}')
+  if options.alpha < 0:
+    raise UserInputError(f'--alpha must be >= 0, got {options.alpha!r}')
+  if options.dropout is not None and not 0 <= options.dropout < 1:
+    raise UserInputError(f'--dropout must be in [0, 1), got {options.dropout!r}')
+
+
 def run(config: ml_collections.ConfigDict, options: Options,
         progress: Callable[[str], None] = lambda message: None) -> dict:
   """Runs the benchmark; returns the report (what --json writes)."""
@@ -367,6 +381,7 @@ def run(config: ml_collections.ConfigDict, options: Options,
     if section not in ('train', 'decode', 'pipeline'):
       raise UserInputError(f'--sections: unknown section {section!r}; expected some of '
                            'train, decode, pipeline')
+  _check_counts(options)
   accelerator = jax.devices()[0].platform != 'cpu'
   dtype = options.dtype or ('bfloat16' if accelerator else 'float32')
   peak_n = options.peak_n or (8192 if accelerator else 2048)
