@@ -4,6 +4,7 @@ import functools
 
 import jax
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -25,6 +26,12 @@ def test_empty_and_blank_lines_give_empty_lines():
   outputs = _translator().translate(['', 'one', '  ', '\t', 'two hundred'], beam_size=1)
   assert len(outputs) == 5
   assert outputs[0] == outputs[2] == outputs[3] == ''
+
+
+def test_a_single_string_is_refused_not_translated_letter_by_letter():
+  with pytest.raises(TypeError,
+                     match=r'takes a list of sentences, got a single str; pass \[sentence\]'):
+    _translator().translate('seven hundred one')
 
 
 def test_overlong_input_is_truncated_with_a_warning_not_a_crash(caplog):

@@ -138,6 +138,10 @@ class Translator:
     + 50 tokens (and the model's max_len). Sentences are sorted by length into batches and
     returned in the original order.
     """
+    if isinstance(sentences, (str, bytes)):
+      # A str is a sequence too: it would be translated character by character.
+      raise TypeError('Translator.translate takes a list of sentences, got a single '
+                      f'{type(sentences).__name__}; pass [sentence]')
     check_decoding_options(beam_size, alpha, self.batch_size)
     max_len = self.model_config.max_len
     encoded: list[list[int] | None] = []
