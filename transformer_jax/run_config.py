@@ -2,10 +2,11 @@
 saved in the workdir.
 
 `define_config_flag`, `parse_flags` and `loaded_config` give the entry points `--config=FILE`
-and `--config.field=value` with one-line errors; `validate_run_config` turns impossible values into one-line `UserInputError`s naming the field
-before anything is prepared or compiled; `save_run_config` writes `<workdir>/config.json` (all
-that inference needs besides the vocabulary and checkpoints) and, on resume, refuses changes to
-the fields the saved parameters and data order depend on.
+and `--config.field=value` with one-line errors; `validate_run_config` turns impossible values
+into one-line `UserInputError`s naming the field before anything is prepared or compiled;
+`save_run_config` writes `<workdir>/config.json` (all that inference needs besides the
+vocabulary and checkpoints) and, on resume, refuses changes to the fields the saved parameters
+and data order depend on.
 """
 
 from __future__ import annotations
