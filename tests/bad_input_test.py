@@ -121,6 +121,9 @@ CASES = [
     ('negative layer-norm epsilon',
      lambda t, d: _train(t, d, **{'model.layer_norm_epsilon': -1.0}), UserInputError,
      r'TransformerConfig\.layer_norm_epsilon must be a positive number, got -1\.0'),
+    ('workdir is a file', lambda t, d: train_lib.train_and_evaluate(
+        tiny_config(d), _write(t / 'notes.txt', b'not a workdir')), UserInputError,
+     r'--workdir=.*notes\.txt exists and is not a directory'),
     ('unknown batching', lambda t, d: _train(t, d, batching='bogus'), UserInputError,
      r"config\.batching must be 'fixed', 'tokens' or 'packed'"),
     ('unprepared tfds dataset', lambda t, d: _train(t, d, dataset='wmt14_translate/de-en'),

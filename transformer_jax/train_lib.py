@@ -389,6 +389,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   host_memory.reuse_freed_memory_if_configured(config)
   validate_run_config(config)
   workdir = os.path.abspath(workdir)
+  if os.path.exists(workdir) and not os.path.isdir(workdir):
+    raise UserInputError(f'--workdir={workdir} exists and is not a directory')
   with WorkdirLock(workdir, jax.process_index()), _PreemptionFlag() as preemption:
     return _train_and_evaluate(config, workdir, preemption)
 
