@@ -216,17 +216,16 @@ def test_damaged_checkpoint_is_named_and_training_falls_back(tmp_path, data_dir,
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-def test_translate_reports_a_damaged_checkpoint_in_one_line(tmp_path, data_dir):
-  config = tiny_config(data_dir)
-  config.num_train_steps = 4
-  train_lib.train_and_evaluate(config, str(tmp_path))
-  _damage(str(tmp_path / 'checkpoints'), 4, 'flip')
+def test_translate_reports_a_damaged_checkpoint_in_one_line(tmp_path, straight_run):
+  workdir = str(tmp_path / 'damaged')
+  shutil.copytree(straight_run, workdir)
+  _damage(os.path.join(workdir, 'checkpoints'), 8, 'flip')
   result = subprocess.run([sys.executable, '-m', 'transformer_jax.translate',
-                           f'--workdir={tmp_path}'], input=b'seven\n', capture_output=True,
+                           f'--workdir={workdir}'], input=b'seven\n', capture_output=True,
                           cwd=REPO_ROOT, timeout=120)
   assert result.returncode == 2
   errors = [l for l in result.stderr.decode().splitlines() if l.startswith('error: ')]
-  assert len(errors) == 1 and 'checkpoint step 4' in errors[0] and 'damaged' in errors[0]
+  assert len(errors) == 1 and 'checkpoint step 8' in errors[0] and 'damaged' in errors[0]
 
 
 def _latest_completed_step(checkpoint_dir) -> int:
