@@ -56,7 +56,7 @@ from transformer_jax.benchmark_flops import (FLOPS_FORMULA, PeakTimer,  # noqa: 
                                             matmul_params, measure_peak, training_flops)
 from transformer_jax.benchmark_pipeline import BATCHING_MODES, benchmark_pipeline  # noqa: F401
 from transformer_jax.benchmark_report import format_report
-from transformer_jax.config import TransformerConfig, UserInputError
+from transformer_jax.config import TransformerConfig, UserInputError, is_integer
 from transformer_jax.models import Transformer, count_params
 from transformer_jax.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 
@@ -363,7 +363,7 @@ def _check_counts(options: Options) -> None:
               'pipeline_batches', 'pipeline_max_length')
   for name in positive + ('rows_per_device', 'warmup_steps', 'peak_n'):
     value, least = getattr(options, name), 1 if name in positive else 0
-    if not isinstance(value, int) or isinstance(value, bool) or value < least:
+    if not is_integer(value) or value < least:
       raise UserInputError(f'--{name} must be an integer >= {least}, got {value!r}')
   if options.alpha < 0:
     raise UserInputError(f'--alpha must be >= 0, got {options.alpha!r}')

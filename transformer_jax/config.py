@@ -15,6 +15,16 @@ class UserInputError(ValueError):
   """A problem with what the user gave (config, files, flags), reported as one line, no traceback."""
 
 
+def is_integer(value) -> bool:
+  """A Python int that is not a bool (True would pass as 1)."""
+  return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value) -> bool:
+  """A Python int or float that is not a bool."""
+  return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 _ATTENTION_IMPLS = ('einsum', 'xla', 'cudnn')
 _DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16, 'float16': jnp.float16}
 
@@ -62,7 +72,7 @@ class TransformerConfig:
     for name in ('vocab_size', 'd_model', 'd_ff', 'num_heads', 'num_encoder_layers',
                  'num_decoder_layers', 'max_len'):
       value = getattr(self, name)
-      if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+      if not is_integer(value) or value <= 0:
         raise UserInputError(f'TransformerConfig.{name} must be a positive integer, got {value!r}')
     for name in ('qk_dim', 'v_dim'):
       value = getattr(self, name)
@@ -77,8 +87,7 @@ class TransformerConfig:
       value = getattr(self, name)
       if not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
         raise UserInputError(f'TransformerConfig.{name} must be in [0, 1), got {value!r}')
-    if (not isinstance(self.layer_norm_epsilon, (int, float))
-        or isinstance(self.layer_norm_epsilon, bool) or self.layer_norm_epsilon <= 0):
+    if not is_number(self.layer_norm_epsilon) or self.layer_norm_epsilon <= 0:
       raise UserInputError('TransformerConfig.layer_norm_epsilon must be a positive number, '
                            f'got {self.layer_norm_epsilon!r}')
     if self.attention_impl not in _ATTENTION_IMPLS:

@@ -20,7 +20,7 @@ import ml_collections
 from absl import app
 from ml_collections import config_flags
 
-from transformer_jax.config import TransformerConfig, UserInputError
+from transformer_jax.config import TransformerConfig, UserInputError, is_number
 
 CONFIG_FILE = 'config.json'
 
@@ -145,14 +145,14 @@ def validate_run_config(config: ml_collections.ConfigDict) -> None:
   if not isinstance(config.eval_decode_examples, int) or config.eval_decode_examples < 0:
     raise UserInputError('config.eval_decode_examples must be an integer >= 0, '
                          f'got {config.eval_decode_examples!r}')
-  if not _is_number(config.learning_rate_scale) or config.learning_rate_scale <= 0:
+  if not is_number(config.learning_rate_scale) or config.learning_rate_scale <= 0:
     raise UserInputError(f'config.learning_rate_scale must be a positive number, '
                          f'got {config.learning_rate_scale!r}')
   for name in ('adam_b1', 'adam_b2'):
-    if not _is_number(config[name]) or not 0.0 <= config[name] < 1.0:
+    if not is_number(config[name]) or not 0.0 <= config[name] < 1.0:
       raise UserInputError(f'config.{name} must be in [0, 1), got {config[name]!r}')
   for name in ('adam_eps', 'grad_clip_norm'):
-    if not _is_number(config[name]) or config[name] < 0:
+    if not is_number(config[name]) or config[name] < 0:
       raise UserInputError(f'config.{name} must be a number >= 0, got {config[name]!r}')
   # Sequences are padded or bucketed up to these lengths; the model rejects longer ones only
   # once the step is traced, as a traceback.
@@ -162,7 +162,3 @@ def validate_run_config(config: ml_collections.ConfigDict) -> None:
         f'config.model.max_len={config.model.max_len} is shorter than max_source_length='
         f'{config.max_source_length} / max_target_length={config.max_target_length}; '
         f'set it to at least {longest}')
-
-
-def _is_number(value) -> bool:
-  return isinstance(value, (int, float)) and not isinstance(value, bool)

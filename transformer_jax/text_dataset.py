@@ -65,7 +65,7 @@ from etils import epath
 import tensorflow_datasets as tfds
 from tensorflow_datasets.core import shuffle as tfds_shuffle
 
-from transformer_jax.config import UserInputError
+from transformer_jax.config import UserInputError, is_integer
 
 DATASET_NAME = 'parallel_text'
 # Part of the fingerprint: bump it when the way files become examples changes,
@@ -343,7 +343,7 @@ def prepare_text_dataset(*, src_path_by_split: dict[str, str],
   """
   global last_prepare_report
   _check_langs(src_lang, tgt_lang)
-  if not isinstance(max_chars, int) or isinstance(max_chars, bool) or max_chars <= 0:
+  if not is_integer(max_chars) or max_chars <= 0:
     raise UserInputError(f'max_chars must be a positive integer, got {max_chars!r}')
   paths = _normalise_splits(src_path_by_split, tgt_path_by_split)
 

@@ -27,7 +27,7 @@ from transformer_jax.average import averaged_dir
 from transformer_jax.checkpointing import (Checkpointer, CorruptCheckpointError,
                                            is_params_checkpoint, read_metadata,
                                            restore_params_from)
-from transformer_jax.config import TransformerConfig, UserInputError
+from transformer_jax.config import TransformerConfig, UserInputError, is_integer, is_number
 from transformer_jax.decode import strip_after_eos
 from transformer_jax.metric_writers import quiet_library_logs
 from transformer_jax.models import Transformer
@@ -63,11 +63,11 @@ class AttentionMaps:
 
 def check_decoding_options(beam_size: int = 4, alpha: float = 0.6, batch_size: int = 64) -> None:
   """One-line errors for impossible decoding settings, raised before any checkpoint is read."""
-  if not isinstance(beam_size, int) or isinstance(beam_size, bool) or beam_size < 1:
+  if not is_integer(beam_size) or beam_size < 1:
     raise UserInputError(f'beam_size must be a positive integer, got {beam_size!r}')
-  if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not alpha >= 0:
+  if not is_number(alpha) or not alpha >= 0:
     raise UserInputError(f'alpha must be a number >= 0, got {alpha!r}')
-  if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+  if not is_integer(batch_size) or batch_size < 1:
     raise UserInputError(f'batch_size must be a positive integer, got {batch_size!r}')
 
 
@@ -142,7 +142,7 @@ class Translator:
       # A str is a sequence too: it would be translated character by character.
       raise TypeError('Translator.translate takes a list of sentences, got a single '
                       f'{type(sentences).__name__}; pass [sentence]')
-    check_decoding_options(beam_size, alpha, self.batch_size)
+    check_decoding_options(beam_size, alpha)  # batch_size was checked in __init__.
     max_len = self.model_config.max_len
     encoded: list[list[int] | None] = []
     for index, sentence in enumerate(sentences):
