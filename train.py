@@ -1,21 +1,19 @@
 """Trains a Transformer: `python train.py --workdir=DIR [--config=configs/default.py]`.
 
 Any config field can be overridden, e.g. `--config.num_train_steps=100`. Rerunning the same
-command resumes from the workdir's latest checkpoint.
+command resumes from the workdir's latest checkpoint. Exit status: 0 done (or stopped by
+SIGTERM/SIGINT with a checkpoint saved), 2 a mistake in the config, flags or data, 3 the loss
+stayed NaN/Inf (see transformer_jax/errors.py).
 """
 
-import sys
+from absl import flags
 
-from absl import app, flags
-
-from transformer_jax import host_memory, run_config, sharding, train_lib
-from transformer_jax.checkpointing import CorruptCheckpointError
-from transformer_jax.config import UserInputError
-from transformer_jax.metric_writers import quiet_library_logs
+from transformer_jax import cli, host_memory, sharding, train_lib
+from transformer_jax.configs import default_config_file
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string('workdir', None, 'Directory for checkpoints, vocabulary, config and logs.')
-run_config.define_config_flag('configs/default.py', 'Training configuration file.')
+cli.define_config_flag(default_config_file(), 'Training configuration file.')
 flags.DEFINE_string('coordinator_address', None,
                     'host:port of process 0, to run as one of several processes (multi-GPU '
                     'hosts, processes launched by hand); needs --num_processes, --process_id.')
@@ -29,26 +27,13 @@ flags.mark_flags_as_required(['workdir'])
 
 
 def main(argv):
-  if len(argv) > 1:
-    raise app.UsageError(f'unexpected arguments: {argv[1:]}')
-  quiet_library_logs()
-  config = run_config.loaded_config(FLAGS)
+  del argv
+  config = cli.loaded_config(FLAGS)
   host_memory.reuse_freed_memory_if_configured(config)  # Before JAX starts threads.
-  try:
-    sharding.initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes,
-                                    FLAGS.process_id, force=FLAGS.jax_distributed)
-    train_lib.train_and_evaluate(config, FLAGS.workdir)
-  except (UserInputError, FileNotFoundError) as error:
-    # A mistake in what was given, not a bug: one line, no traceback, non-zero exit.
-    print(f'error: {error}', file=sys.stderr)
-    sys.exit(2)
-  except CorruptCheckpointError as error:
-    print(f'error: {error}', file=sys.stderr)
-    sys.exit(2)
-  except train_lib.NonFiniteError as error:
-    print(f'error: {error}', file=sys.stderr)
-    sys.exit(3)
+  sharding.initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes,
+                                  FLAGS.process_id, force=FLAGS.jax_distributed)
+  train_lib.train_and_evaluate(config, FLAGS.workdir)
 
 
 if __name__ == '__main__':
-  app.run(main, flags_parser=run_config.parse_flags)
+  cli.run(main, config_flag=True)

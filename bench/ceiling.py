@@ -7,7 +7,7 @@ Lists every matrix product of one training step of the benchmark's model size (f
 two products per forward product of the backward pass: gradient by input and by weight), at the
 exact shapes the model runs, times each distinct product alone (jitted, best and median of
 `--repeats` runs, interleaved with the 2048^3 peak product so noise hits all alike), and sums them. The
-step's model FLOPs (`benchmark.training_flops`) divided by that sum and by the measured peak is
+step's model FLOPs (`flop_count.training_flops`) divided by that sum and by the measured peak is
 the MFU of a step in which everything but the matrix products (softmax, LayerNorm, dropout,
 the loss, the optimiser update, copies) took no time and every product ran as fast as it does
 alone. No real step can beat it; the gap between it and the benchmark's MFU is what
@@ -29,8 +29,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
-from configs import default  # noqa: E402
-from transformer_jax import benchmark  # noqa: E402
+from transformer_jax.configs import default  # noqa: E402
+from transformer_jax.benchmark import flops as flop_count  # noqa: E402
+from transformer_jax.benchmark import training  # noqa: E402
 
 flags.DEFINE_string('size', 'base', 'tiny, small, base or big (see transformer_jax.benchmark)')
 flags.DEFINE_integer('repeats', 9, 'timed runs of each product (best and median kept)')
@@ -112,11 +113,11 @@ def time_products(distinct: list[Product], repeats: int, dtype: str) -> dict:
 
 def main(argv):
   del argv
-  spec = benchmark.size_spec(FLAGS.size, default.get_config(), dtype='float32',
+  spec = training.size_spec(FLAGS.size, default.get_config(), dtype='float32',
                              rows_per_device=FLAGS.rows_per_device)
   cfg = spec.model_config
   products = step_products(cfg, spec.rows_per_device, spec.source_length, spec.target_length)
-  flops = benchmark.training_flops(cfg, [spec.source_length] * spec.rows_per_device,
+  flops = flop_count.training_flops(cfg, [spec.source_length] * spec.rows_per_device,
                                    [spec.target_length] * spec.rows_per_device)['total']
   counted = sum(product_flops(p) for p in products)
   assert abs(counted - flops) <= 1e-9 * flops, (counted, flops)

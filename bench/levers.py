@@ -37,8 +37,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
-from configs import default  # noqa: E402
-from transformer_jax import benchmark, host_memory, models, train_lib  # noqa: E402
+from transformer_jax.configs import default  # noqa: E402
+from transformer_jax import host_memory, models, train_lib  # noqa: E402
+from transformer_jax.benchmark import flops as flop_count  # noqa: E402
+from transformer_jax.benchmark import training  # noqa: E402
 
 flags.DEFINE_string('size', 'small', 'tiny, small or base (see transformer_jax.benchmark)')
 flags.DEFINE_list('variants', ['baseline', 'fused_qkv', 'onehot_loss', 'dropout_bits16',
@@ -128,7 +130,7 @@ def _traced_config(variant):
 @contextlib.contextmanager
 def _patched(variant):
   saved = (flax_stochastic.random.bernoulli, train_lib.label_smoothed_cross_entropy,
-           models.MultiHeadAttention.__call__, models._project)
+           models.MultiHeadAttention.__call__, models.row_major_kernel_grads)
   try:
     if variant == 'dropout_bits16':
       flax_stochastic.random.bernoulli = _bernoulli_from_16_bits
@@ -139,12 +141,12 @@ def _patched(variant):
     elif variant == 'fused_qkv':
       models.MultiHeadAttention.__call__ = _fused_qkv_attention(saved[2])
     elif variant == 'autodiff_kernel_grads':
-      models._project = models._contract
+      models.row_major_kernel_grads = lambda: False
     with _traced_config(variant):
       yield
   finally:
     (flax_stochastic.random.bernoulli, train_lib.label_smoothed_cross_entropy,
-     models.MultiHeadAttention.__call__, models._project) = saved
+     models.MultiHeadAttention.__call__, models.row_major_kernel_grads) = saved
 
 
 def main(argv):
@@ -153,12 +155,12 @@ def main(argv):
   unknown = [v for v in FLAGS.variants if v not in _CONFIG_CHANGES]
   if unknown:
     raise app.UsageError(f'unknown variant(s) {unknown}; known: {sorted(_CONFIG_CHANGES)}')
-  spec = benchmark.size_spec(FLAGS.size, default.get_config(), dtype='float32')
+  spec = training.size_spec(FLAGS.size, default.get_config(), dtype='float32')
   rng = np.random.default_rng(0)
-  batches = [benchmark.synthetic_batch(rng, spec.rows_per_device, spec.source_length,
+  batches = [training.synthetic_batch(rng, spec.rows_per_device, spec.source_length,
                                        spec.target_length, spec.model_config.vocab_size)
              for _ in range(2)]
-  flops = benchmark.training_flops(spec.model_config,
+  flops = flop_count.training_flops(spec.model_config,
                                    [spec.source_length] * spec.rows_per_device,
                                    [spec.target_length] * spec.rows_per_device)['total']
   runs = {}
@@ -176,7 +178,7 @@ def main(argv):
     print(f'compiled {variant} ({runs[variant]["first"]:.1f} s)', flush=True)
   peaks = []
   for _ in range(FLAGS.rounds):
-    peaks.append(benchmark.measure_peak(2048, 'float32', 2)['flops_per_second'])
+    peaks.append(flop_count.measure_peak(2048, 'float32', 2)['flops_per_second'])
     for variant in FLAGS.variants:
       run = runs[variant]
       for i in range(FLAGS.steps):

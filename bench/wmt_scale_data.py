@@ -18,9 +18,9 @@ import time
 
 import numpy as np
 
-from configs import base
-from transformer_jax import batching, input_pipeline, text_dataset
-from transformer_jax.tokenizer import Tokenizer
+from transformer_jax.configs import base
+from transformer_jax.data import batching, input_pipeline, text_dataset
+from transformer_jax.data.tokenizer import Tokenizer
 
 
 def _peak_rss_gb() -> float:

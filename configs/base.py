@@ -8,7 +8,7 @@
 a shared ~37k BPE vocabulary, checkpoints averaged over the last 5 for evaluation.
 """
 
-from configs import default
+from transformer_jax.configs import default
 
 
 def get_config():

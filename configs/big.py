@@ -6,7 +6,7 @@ Same data and vocabulary as configs/base.py; 300k steps, dropout 0.3, last 20 ch
 averaged.
 """
 
-from configs import base
+from transformer_jax.configs import base
 
 
 def get_config():

@@ -12,11 +12,11 @@ import optax
 import pytest
 from flax.training import train_state
 
-from transformer_jax import average
-from transformer_jax.average import average_checkpoints, averaged_dir
-from transformer_jax.checkpointing import (Checkpointer, read_metadata,
-                                           restore_params_from)
-from transformer_jax.config import UserInputError
+from transformer_jax import averaging
+from transformer_jax.averaging import average_checkpoints
+from transformer_jax.checkpointing import Checkpointer, read_metadata, restore_params_from
+from transformer_jax.errors import UserInputError
+from transformer_jax.workdir import Workdir
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -57,7 +57,7 @@ def _restore_averaged(workdir, written):
   abstract = jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
       next(iter(written.values())))
-  return restore_params_from(averaged_dir(workdir), abstract)
+  return restore_params_from(Workdir(workdir).averaged, abstract)
 
 
 def test_two_checkpoints_mean(tmp_path):
@@ -65,7 +65,7 @@ def test_two_checkpoints_mean(tmp_path):
   written = _write_workdir(workdir, [1, 2])
   result = average_checkpoints(workdir, last=2)
   assert result['averaged_steps'] == [1, 2] and result['latest_step'] == 2
-  assert result['path'] == averaged_dir(workdir)
+  assert result['path'] == Workdir(workdir).averaged
   assert read_metadata(result['path']) == {'averaged_steps': [1, 2], 'latest_step': 2,
                                            'last_requested': 2}
   averaged = _restore_averaged(workdir, written)
@@ -97,7 +97,7 @@ def test_last_selects_newest_and_too_few_warns(tmp_path, caplog):
   with caplog.at_level(logging.WARNING):
     result = average_checkpoints(workdir, last=5)
   assert result['averaged_steps'] == [1, 2, 3]
-  assert read_metadata(averaged_dir(workdir))['last_requested'] == 5
+  assert read_metadata(Workdir(workdir).averaged)['last_requested'] == 5
   assert any('only 3 checkpoint' in record.getMessage() for record in caplog.records)
   averaged = _restore_averaged(workdir, written)
   np.testing.assert_array_equal(np.asarray(averaged['dense']['bias']), np.full((4,), 3.0))
@@ -118,7 +118,7 @@ def test_user_errors(tmp_path):
   os.makedirs(tmp_path / 'checkpoints')
   with pytest.raises(UserInputError, match='no checkpoints in'):
     average_checkpoints(str(tmp_path), last=5)
-  assert not os.path.exists(averaged_dir(str(tmp_path)))
+  assert not os.path.exists(Workdir(str(tmp_path)).averaged)
 
 
 def test_mismatched_checkpoints_rejected(tmp_path):
@@ -142,8 +142,8 @@ def test_cli(tmp_path):
   _write_workdir(workdir, [1, 2, 3])
   result = _run_cli(f'--workdir={workdir}', '--last=2')
   assert result.returncode == 0, result.stderr[-4000:]
-  assert 'steps 2, 3' in result.stdout and averaged_dir(workdir) in result.stdout
-  assert read_metadata(averaged_dir(workdir))['averaged_steps'] == [2, 3]
+  assert 'steps 2, 3' in result.stdout and Workdir(workdir).averaged in result.stdout
+  assert read_metadata(Workdir(workdir).averaged)['averaged_steps'] == [2, 3]
 
   empty = str(tmp_path / 'empty')
   result = _run_cli(f'--workdir={empty}', '--last=2')
@@ -153,5 +153,5 @@ def test_cli(tmp_path):
 
 
 def test_module_has_no_orbax_import():
-  with open(average.__file__) as f:
+  with open(averaging.__file__) as f:
     assert 'orbax' not in f.read().replace('orbax-', '')

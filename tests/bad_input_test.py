@@ -10,12 +10,16 @@ import os
 
 import pytest
 
+from transformer_jax import train_lib
+from transformer_jax.cli import checkpoint_flag_value
+from transformer_jax.config import TransformerConfig
+from transformer_jax.data import text_dataset
+from transformer_jax.data.tokenizer import Tokenizer
+from transformer_jax.errors import UserInputError
+from transformer_jax.inference import Translator, check_decoding_options
+from transformer_jax.text_io import read_lines
+
 from conftest import tiny_config
-from transformer_jax import text_dataset, train_lib
-from transformer_jax.config import TransformerConfig, UserInputError
-from transformer_jax.evaluate import read_lines
-from transformer_jax.tokenizer import Tokenizer
-from transformer_jax.translate import Translator, check_decoding_options, checkpoint_flag_value
 
 
 def _write(path, data: bytes):
@@ -96,13 +100,13 @@ CASES = [
     ('zero batch', lambda t, d: _train(t, d, per_device_batch_size=0), UserInputError,
      r'config\.per_device_batch_size must be a positive integer, got 0'),
     ('zero model width', lambda t, d: _train(t, d, **{'model.d_ff': 0}), UserInputError,
-     r'TransformerConfig\.d_ff must be a positive integer, got 0'),
+     r'config\.model\.d_ff must be a positive integer, got 0'),
     ('indivisible heads', lambda t, d: _train(t, d, **{'model.num_heads': 3}), UserInputError,
      r'd_model=32 is not divisible by num_heads=3'),
     ('dropout 1.0', lambda t, d: _train(t, d, **{'model.dropout_rate': 1.0}), UserInputError,
-     r'TransformerConfig\.dropout_rate must be in \[0, 1\)'),
+     r'config\.model\.dropout_rate must be in \[0, 1\)'),
     ('unknown dtype', lambda t, d: _train(t, d, **{'model.dtype': 'float8'}), UserInputError,
-     r'TransformerConfig\.dtype must be one of'),
+     r'config\.model\.dtype must be one of'),
     ('label smoothing 1.5', lambda t, d: _train(t, d, label_smoothing=1.5), UserInputError,
      r'config\.label_smoothing must be in \[0, 1\)'),
     ('negative learning-rate scale', lambda t, d: _train(t, d, learning_rate_scale=-1.0),
@@ -120,7 +124,7 @@ CASES = [
      r'max_target_length=\d+; set it to at least \d+'),
     ('negative layer-norm epsilon',
      lambda t, d: _train(t, d, **{'model.layer_norm_epsilon': -1.0}), UserInputError,
-     r'TransformerConfig\.layer_norm_epsilon must be a positive number, got -1\.0'),
+     r'config\.model\.layer_norm_epsilon must be a positive number, got -1\.0'),
     ('workdir is a file', lambda t, d: train_lib.train_and_evaluate(
         tiny_config(d), _write(t / 'notes.txt', b'not a workdir')), UserInputError,
      r'--workdir=.*notes\.txt exists and is not a directory'),
@@ -160,6 +164,30 @@ def test_malformed_input_is_a_one_line_error(tmp_path, data_dir, case, run, exce
     run(tmp_path, data_dir)
   message = str(raised.value)
   assert '\n' not in message, f'{case}: multi-line message {message!r}'
+
+
+@pytest.mark.parametrize('field, value, message', [
+    ('model.dropout_rate', 1.5, r'config\.model\.dropout_rate must be in \[0, 1\), got 1\.5'),
+    ('model.num_heads', 3, r'config\.model\.d_model=32 is not divisible by num_heads=3'),
+    ('mesh_shape', (3, 1, 1), r'config\.mesh_shape: mesh_shape \(3, 1, 1\) needs 3 devices'),
+    ('logical_axis_rules', (('heads', 'model'),), r"'heads' -> 'model' names no mesh axis"),
+    ('eval_batch_size', 0, r'config\.eval_batch_size must be a positive integer, got 0'),
+    ('per_device_batch_size', True, r'config\.per_device_batch_size must be a positive integer, '
+     r'got True'),
+])
+def test_a_bad_field_fails_before_any_data_work(tmp_path, field, value, message):
+  # A fresh data_dir and workdir: nothing may be prepared, trained or written into either
+  # (on WMT, preparing and training the vocabulary take many minutes).
+  config = tiny_config(str(tmp_path / 'tfds'))
+  target = config
+  *parents, leaf = field.split('.')
+  for parent in parents:
+    target = target[parent]
+  target[leaf] = value
+  with pytest.raises(UserInputError, match=message):
+    train_lib.train_and_evaluate(config, str(tmp_path / 'workdir'))
+  assert not os.path.exists(tmp_path / 'tfds')
+  assert not os.path.exists(tmp_path / 'workdir')
 
 
 def test_the_table_has_at_least_twenty_cases():

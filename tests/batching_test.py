@@ -1,4 +1,4 @@
-"""Tests of transformer_jax.batching: token-budget, length-bucketed batches and their iterator.
+"""Tests of transformer_jax.data.batching: token-budget, length-bucketed batches and their iterator.
 
 The data are synthetic but shaped like Multi30k: source lengths ~ lognormal (mean 14, sd 5
 tokens, EOS included), clipped to [2, 70]; target = source +- 3. Every example's ids identify it:
@@ -10,9 +10,13 @@ import json
 import numpy as np
 import pytest
 
-from transformer_jax import batching
-from transformer_jax.batching import TokenBudgetPlan, bucket_lengths, make_token_budget_iterator
-from transformer_jax.input_pipeline import TokenizedSplit
+from transformer_jax.data import batching
+from transformer_jax.data.batching import (
+  TokenBudgetPlan,
+  bucket_lengths,
+  make_token_budget_iterator,
+)
+from transformer_jax.data.input_pipeline import TokenizedSplit
 
 EOS = 1
 NUM_EXAMPLES = 3000

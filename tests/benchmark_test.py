@@ -11,11 +11,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from configs import default
-from conftest import REPO_ROOT
-from transformer_jax import benchmark
-from transformer_jax.config import TransformerConfig, UserInputError
+from transformer_jax.benchmark import decoding as decode_benchmark
+from transformer_jax.benchmark import flops as flop_count
+from transformer_jax.benchmark import pipeline as input_benchmark
+from transformer_jax.benchmark import runner, training
+from transformer_jax.config import TransformerConfig
+from transformer_jax.configs import default
+from transformer_jax.errors import UserInputError
 from transformer_jax.models import Transformer, count_params
+
+from conftest import REPO_ROOT
 
 
 def _abstract_params(cfg: TransformerConfig):
@@ -31,10 +36,10 @@ def test_training_flops_equal_a_hand_computation():
   # Encoder: 1 x (64 + 64) = 128. Decoder: 2 x (2 x 64 + 64) = 384, of which the
   # cross-attention key and value kernels (2 x 2 x 16 = 64) multiply source tokens.
   # Output: 4 x 10 = 40.
-  assert benchmark.matmul_params(cfg) == {'encoder': 128, 'decoder': 320,
+  assert flop_count.matmul_params(cfg) == {'encoder': 128, 'decoder': 320,
                                           'decoder_cross_kv': 64, 'output': 40}
   # Two rows: sources of 3 and 5 tokens (S = 8), targets of 2 and 4 (T = 6).
-  flops = benchmark.training_flops(cfg, [3, 5], [2, 4])
+  flops = flop_count.training_flops(cfg, [3, 5], [2, 4])
   # Dense: 6 x ((128 + 64) x 8 + (320 + 40) x 6) = 6 x 3696.
   assert flops['dense'] == 22176
   # Attention: 6 x h (d_k + d_v) = 6 x 2 x (2 + 2) = 48 per (query, key) pair and layer:
@@ -48,7 +53,7 @@ def test_attention_flops_match_the_issue_statement_on_padded_batches():
   cfg = TransformerConfig(vocab_size=256, d_model=128, d_ff=512, num_heads=4,
                           num_encoder_layers=3, num_decoder_layers=3)
   rows, s, t, d = 64, 24, 16, 128
-  flops = benchmark.training_flops(cfg, [s] * rows, [t] * rows)
+  flops = flop_count.training_flops(cfg, [s] * rows, [t] * rows)
   expected = 6 * 2 * (3 * s * s * d * rows + 3 * t * t * d * rows + 3 * t * s * d * rows)
   assert flops['attention'] == expected
 
@@ -66,29 +71,29 @@ def test_matmul_params_are_the_model_kernels(pre_norm, share_embeddings):
                 if getattr(path[-1], 'key', None) == 'kernel')
   if share_embeddings:
     kernels += int(np.prod(params['shared_embedding']['embedding'].shape))
-  assert sum(benchmark.matmul_params(cfg).values()) == kernels
+  assert sum(flop_count.matmul_params(cfg).values()) == kernels
 
 
 def test_sizes_are_the_documented_models():
   config = default.get_config()
-  tiny = benchmark.size_spec('tiny', config, dtype='float32')
+  tiny = training.size_spec('tiny', config, dtype='float32')
   assert (tiny.model_config.d_model, tiny.model_config.vocab_size) == (128, 256)
   assert (tiny.rows_per_device, tiny.source_length, tiny.target_length) == (64, 24, 16)
-  small = benchmark.size_spec('small', config, dtype='bfloat16')
+  small = training.size_spec('small', config, dtype='bfloat16')
   assert (small.model_config.d_model, small.model_config.d_ff, small.model_config.num_heads,
           small.model_config.num_encoder_layers, small.model_config.vocab_size,
           small.model_config.dtype) == (256, 1024, 4, 3, 8000, 'bfloat16')
   assert 1900 <= small.target_tokens_per_device <= 2100
-  base = benchmark.size_spec('base', config, dtype='float32', dropout=0.0)
+  base = training.size_spec('base', config, dtype='float32', dropout=0.0)
   assert base.model_config.replace(dropout_rate=0.1) == TransformerConfig.base(37000)
   assert 3900 <= base.target_tokens_per_device <= 4200
   assert 60e6 < count_params(_abstract_params(base.model_config)) < 66e6  # The paper: ~65M.
-  big = benchmark.size_spec('big', config, dtype='bfloat16', rows_per_device=256)
+  big = training.size_spec('big', config, dtype='bfloat16', rows_per_device=256)
   assert big.model_config == TransformerConfig.big(37000, dtype='bfloat16')
   assert (big.rows_per_device, big.target_tokens_per_device) == (256, 256 * 64)
   assert 205e6 < count_params(_abstract_params(big.model_config)) < 215e6  # The paper: ~213M.
   with pytest.raises(UserInputError):
-    benchmark.run(config, benchmark.Options(sizes=['huge']))
+    runner.run(config, runner.Options(sizes=['huge']))
 
 
 @pytest.mark.parametrize('change, message', [
@@ -102,7 +107,7 @@ def test_impossible_options_are_one_line_errors_before_anything_runs(change, mes
   # Before: --train_steps=0 failed in the report ('float' object is not iterable) and
   # --rows_per_device=-1 in numpy, both after compiling.
   with pytest.raises(UserInputError) as raised:
-    benchmark.run(default.get_config(), benchmark.Options(**change))
+    runner.run(default.get_config(), runner.Options(**change))
   assert str(raised.value) == message
 
 
@@ -114,7 +119,7 @@ def test_eos_suppression_finds_its_parameters(pre_norm, share_embeddings):
                           num_decoder_layers=2, pre_norm=pre_norm,
                           share_embeddings=share_embeddings)
   params = jax.tree_util.tree_map(lambda x: np.ones(x.shape, x.dtype), _abstract_params(cfg))
-  edited, suppressed = benchmark.suppress_eos(params, cfg)
+  edited, suppressed = decode_benchmark.suppress_eos(params, cfg)
   assert suppressed
   norm = (edited['decoder_norm'] if pre_norm
           else jax.tree_util.tree_map(lambda x: x[-1], edited['decoder_layers']['ffn_block']['norm']))
@@ -148,7 +153,7 @@ def test_cli_writes_a_complete_report(tmp_path):
   report = json.loads(out.read_text())
 
   assert report['machine']['device_count'] >= 1 and report['machine']['cpu_count'] >= 1
-  assert report['settings']['flops_formula'] == benchmark.FLOPS_FORMULA
+  assert report['settings']['flops_formula'] == flop_count.FLOPS_FORMULA
   # Like train.py, the benchmark keeps freed host memory (config.reuse_host_memory).
   assert report['settings']['reuse_host_memory'] == sys.platform.startswith('linux')
   assert report['peak']['flops_per_second'] > 0
@@ -184,7 +189,7 @@ def test_cli_writes_a_complete_report(tmp_path):
 
   (decoding,) = report['decoding']
   assert decoding['eos_suppressed'] and not decoding['trained']
-  assert set(decoding['modes']) == set(benchmark.DECODE_MODES)
+  assert set(decoding['modes']) == set(decode_benchmark.DECODE_MODES)
   for mode, figures in decoding['modes'].items():
     for key in ('sentences_per_second', 'tokens_per_second', 'seconds', 'first_call_seconds'):
       assert figures[key] > 0, (mode, key)
@@ -192,7 +197,7 @@ def test_cli_writes_a_complete_report(tmp_path):
   assert all(decoding['cache_speedup'][kind] > 0 for kind in ('greedy', 'beam'))
 
   pipeline = report['pipeline']
-  assert set(pipeline['modes']) == set(benchmark.BATCHING_MODES)
+  assert set(pipeline['modes']) == set(input_benchmark.BATCHING_MODES)
   for mode, figures in pipeline['modes'].items():
     for key in ('examples_per_second', 'examples_per_batch', 'training_examples_per_second',
                 'ratio_to_training'):
@@ -207,7 +212,7 @@ def test_cli_writes_a_complete_report(tmp_path):
 def test_run_trains_and_decodes_every_size_against_the_runs_fastest_peak(monkeypatch):
   """run()'s bookkeeping, with the timing functions replaced by fakes: every size is trained
   and decoded, and every row's MFU divides by the fastest peak seen in the whole run."""
-  from configs import default
+  from transformer_jax.configs import default
   probe_peaks = {'tiny': [100e9, 300e9], 'small': [200e9, 250e9]}
 
   def fake_training(spec, *, peak_flops, peak_probe, **unused):
@@ -217,14 +222,14 @@ def test_run_trains_and_decodes_every_size_against_the_runs_fastest_peak(monkeyp
            'achieved_flops_per_second': 60e9, 'flops_per_step': 60e9,
            'useful_flops_per_step': 30e9, 'step_seconds': 1.0, 'step_seconds_median': 1.0,
            'step_seconds_min': 0.5, 'peak_flops_each': probe_peaks[spec.name]}
-    benchmark.set_mfu(row, peak_flops)
+    training.set_mfu(row, peak_flops)
     return row, {'params': spec.name}
 
   decoded = []
-  monkeypatch.setattr(benchmark, 'benchmark_training', fake_training)
-  monkeypatch.setattr(benchmark, 'synthetic_decoding',
+  monkeypatch.setattr(runner, 'benchmark_training', fake_training)
+  monkeypatch.setattr(runner, 'synthetic_decoding',
                       lambda spec, params, **unused: decoded.append((spec.name, params)) or {})
-  report = benchmark.run(default.get_config(), benchmark.Options(
+  report = runner.run(default.get_config(), runner.Options(
       sizes=['tiny', 'small'], sections=['train', 'decode'], peak_n=64, peak_repeats=1))
   assert [row['size'] for row in report['training']] == ['tiny', 'small']
   assert decoded == [('tiny', {'params': 'tiny'}), ('small', {'params': 'small'})]

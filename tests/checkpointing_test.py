@@ -1,6 +1,9 @@
 """Tests for transformer_jax.checkpointing (tiny arrays; CPU)."""
 
+import glob
+import json
 import os
+import pathlib
 import re
 import subprocess
 import sys
@@ -155,8 +158,13 @@ def test_cross_layout_restore(tmp_path):
 # ---- params-only checkpoints (save_params / restore_params_from) ----
 
 from transformer_jax.checkpointing import (  # noqa: E402
-    is_params_checkpoint, params_shapes, read_metadata, restore_params_from, save_params)
-from transformer_jax.config import UserInputError  # noqa: E402
+  is_params_checkpoint,
+  params_shapes,
+  read_metadata,
+  restore_params_from,
+  save_params,
+)
+from transformer_jax.errors import UserInputError  # noqa: E402
 
 
 def test_params_checkpoint_round_trip(tmp_path):
@@ -231,3 +239,140 @@ def test_restore_params_to_host(tmp_path):
     np.testing.assert_array_equal(got, np.asarray(want))
   assert jax.tree.structure(host) == jax.tree.structure(
       jax.tree.map(np.asarray, dict(state.params)))
+
+
+# ---- checksums of params-only checkpoints ----
+
+from transformer_jax.checkpointing import checksums  # noqa: E402
+from transformer_jax.errors import CorruptCheckpointError  # noqa: E402
+
+
+def _checked_params(seed: int = 0) -> dict:
+  """Host params as averaging writes them. 'w' (4 KiB of random float32) is big enough that
+  orbax stores its bytes in a data file of their own, outside the CRC-checked b-tree nodes
+  that hold tiny arrays inline: a byte flipped there restores silently with wrong values."""
+  rng = np.random.default_rng(seed)
+  return {'w': rng.normal(size=(32, 32)).astype(np.float32),
+          'b': rng.normal(size=(4,)).astype(np.float32),
+          'embed': rng.normal(size=(5, 2)).astype(jnp.bfloat16)}
+
+
+def _data_files(item_dir) -> list[str]:
+  """The chunk files orbax (OCDBT) wrote under an item folder, largest (the array bytes) first."""
+  files = [f for f in glob.glob(os.path.join(item_dir, '**', '*'), recursive=True)
+           if os.path.isfile(f) and os.sep + 'd' + os.sep in f]
+  assert files, os.listdir(item_dir)
+  return sorted(files, key=os.path.getsize, reverse=True)
+
+
+def _damage_file(path, how):
+  data = bytearray(pathlib.Path(path).read_bytes())
+  if how == 'flip':
+    data[len(data) // 2] ^= 0xFF
+  elif how == 'truncate':
+    data = data[:len(data) // 3]
+  else:
+    assert how == 'delete', how
+    os.remove(path)
+    return
+  pathlib.Path(path).write_bytes(bytes(data))
+
+
+def test_params_checkpoint_records_and_hides_checksums(tmp_path):
+  params = _checked_params()
+  directory = str(tmp_path / 'averaged')
+  metadata = {'averaged_steps': [1, 2], 'latest_step': 2}
+  save_params(directory, params, metadata)
+  assert read_metadata(directory) == metadata  # the reserved key stays internal
+  with open(os.path.join(directory, 'metadata.json')) as f:
+    on_disk = json.load(f)
+  assert on_disk == dict(metadata, _checksums=checksums(params))
+  assert sorted(on_disk['_checksums']) == ['b', 'embed', 'w']
+  assert all(len(sums) == 2 for sums in on_disk['_checksums'].values())
+  abstract = _abstract(params)
+  _assert_trees_equal(restore_params_from(directory, abstract), params)
+  # Restoring into another dtype verifies the stored values, then casts (no false alarm).
+  as_bf16 = dict(abstract, w=jax.ShapeDtypeStruct((32, 32), jnp.bfloat16,
+                                                  sharding=abstract['w'].sharding))
+  restored = restore_params_from(directory, as_bf16)
+  assert restored['w'].dtype == jnp.bfloat16 and restored['w'].sharding == abstract['w'].sharding
+  np.testing.assert_array_equal(np.asarray(restored['w']), params['w'].astype(jnp.bfloat16))
+  # The user cannot shadow the reserved key; it fails before anything is written.
+  with pytest.raises(ValueError, match="'_checksums' is reserved"):
+    save_params(str(tmp_path / 'other'), params, {'_checksums': {}})
+  assert os.listdir(tmp_path) == ['averaged']
+
+
+def test_params_checkpoint_flipped_byte_is_named(tmp_path):
+  params = _checked_params(seed=1)
+  directory = str(tmp_path / 'averaged')
+  save_params(directory, params, {'latest_step': 2})
+  # One byte in the middle of w's data: orbax itself reads this back without complaint.
+  _damage_file(_data_files(os.path.join(directory, 'params'))[0], 'flip')
+  with pytest.raises(CorruptCheckpointError) as error:
+    restore_params_from(directory, _abstract(params))
+  assert str(error.value) == (f'params checkpoint at {directory} is damaged: w does not match '
+                              'the checksum written with it')
+
+
+def test_params_checkpoint_without_checksums_still_loads(tmp_path):
+  params = _checked_params(seed=2)
+  directory = str(tmp_path / 'averaged')
+  save_params(directory, params, {'latest_step': 5})
+  # As written before checksums existed: the user's metadata only.
+  with open(os.path.join(directory, 'metadata.json'), 'w') as f:
+    json.dump({'latest_step': 5}, f)
+  assert read_metadata(directory) == {'latest_step': 5}
+  _assert_trees_equal(restore_params_from(directory, _abstract(params)), params)
+
+
+@pytest.mark.parametrize('how', ['truncate', 'delete', 'metadata'])
+def test_params_checkpoint_unreadable_is_one_line(tmp_path, how):
+  params = _checked_params(seed=3)
+  directory = str(tmp_path / 'averaged')
+  save_params(directory, params, {'latest_step': 5})
+  if how == 'metadata':
+    with open(os.path.join(directory, 'metadata.json'), 'w') as f:
+      f.write('{"latest_step": 5, "_checks')  # cut off mid-write
+  else:
+    for path in _data_files(os.path.join(directory, 'params')):
+      _damage_file(path, how)
+  with pytest.raises(CorruptCheckpointError) as error:
+    restore_params_from(directory, _abstract(params))
+  message = str(error.value)
+  assert message.startswith(f'params checkpoint at {directory} is damaged or incomplete ('), \
+      message
+  assert '\n' not in message and len(message) < len(directory) + 300, message
+  if how == 'metadata':
+    with pytest.raises(CorruptCheckpointError, match='JSONDecodeError'):
+      read_metadata(directory)
+
+
+def _damaged_step(tmp_path, how) -> tuple[str, dict]:
+  """A step-3 checkpoint of {'params': ...} whose chunk files are damaged as `how` says."""
+  params = _checked_params(seed=4)
+  directory = str(tmp_path / 'checkpoints')
+  with Checkpointer(directory, async_save=False) as ckpt:
+    ckpt.save(3, {'params': params, 'step': jnp.asarray(3, jnp.int32)})
+  chunks = _data_files(os.path.join(directory, '3', 'state'))
+  for path in chunks[:1] if how == 'flip' else chunks:  # flip: only w's data, as above
+    _damage_file(path, how)
+  return directory, params
+
+
+def test_restore_params_to_host_verifies_checksums(tmp_path):
+  directory, _ = _damaged_step(tmp_path, 'flip')
+  with Checkpointer(directory, keep=None, async_save=False) as ckpt:
+    with pytest.raises(CorruptCheckpointError) as error:
+      ckpt.restore_params_to_host(3)
+  assert str(error.value) == (f'checkpoint step 3 at {directory}/3 is damaged: params/w does '
+                              'not match the checksum written with it')
+
+
+def test_restore_params_to_host_unreadable_is_one_line(tmp_path):
+  directory, _ = _damaged_step(tmp_path, 'truncate')
+  with Checkpointer(directory, keep=None, async_save=False) as ckpt:
+    with pytest.raises(CorruptCheckpointError,
+                       match=f'^checkpoint step 3 at {re.escape(directory)}/3 is damaged or '
+                             r'incomplete \(\w+: [^\n]*\)$'):
+      ckpt.restore_params_to_host(3)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer_jax import Transformer, run_config, train_lib
+from transformer_jax import Transformer, run_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_NAMES = sorted(os.path.basename(p)[:-3] for p in glob.glob(f'{REPO}/configs/*.py')
@@ -29,9 +29,9 @@ def test_all_configs_are_covered():
 
 @pytest.mark.parametrize('name', CONFIG_NAMES)
 def test_config_validates_and_builds_a_model(name):
-  config = importlib.import_module(f'configs.{name}').get_config()
+  config = importlib.import_module(f'transformer_jax.configs.{name}').get_config()
   run_config.validate_run_config(config)
-  model_config = train_lib.model_config_from(config, vocab_size=config.vocab_size)
+  model_config = run_config.model_config_from(config, vocab_size=config.vocab_size)
   assert model_config.max_len >= max(config.max_source_length, config.max_target_length)
   assert _parameter_count(model_config) > 0
 
@@ -41,6 +41,6 @@ def test_paper_models_have_the_papers_size(name, millions):
   # Table 3 of the paper: 65M (base) and 213M (big) parameters with a ~37k shared vocabulary.
   # This model has 63.0M and ~210M: its projections carry no biases (the paper's count is
   # rounded and its exact vocabulary size unstated), so allow 5%.
-  config = importlib.import_module(f'configs.{name}').get_config()
-  count = _parameter_count(train_lib.model_config_from(config, vocab_size=config.vocab_size))
+  config = importlib.import_module(f'transformer_jax.configs.{name}').get_config()
+  count = _parameter_count(run_config.model_config_from(config, vocab_size=config.vocab_size))
   assert abs(count / 1e6 - millions) / millions < 0.05, count

@@ -1,7 +1,6 @@
 """Shared fixtures: a tiny training config on the embedded task's 'tiny' split sizes."""
 
 import os
-import sys
 
 import pytest
 
@@ -15,8 +14,6 @@ if 'xla_backend_optimization_level' not in os.environ.get('XLA_FLAGS', ''):
                              ' --xla_llvm_disable_expensive_passes=true').strip()
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO_ROOT not in sys.path:
-  sys.path.insert(0, REPO_ROOT)
 
 # Not host_memory.reuse_freed_memory() (train.py's default; tiny_config turns it off for
 # train_and_evaluate too): its single malloc arena slows XLA's multi-threaded compilation
@@ -25,7 +22,7 @@ if REPO_ROOT not in sys.path:
 
 def tiny_config(data_dir: str):
   """The default config shrunk to seconds on one CPU core."""
-  from configs import default
+  from transformer_jax.configs import default
   config = default.get_config()
   config.dataset = 'number_words/tiny'
   config.data_dir = data_dir
@@ -52,7 +49,7 @@ def tiny_config(data_dir: str):
 @pytest.fixture(scope='session')
 def data_dir(tmp_path_factory):
   """One prepared copy of number_words/tiny for the whole test session."""
-  from transformer_jax import number_words
+  from transformer_jax.data import number_words
   path = str(tmp_path_factory.mktemp('tfds'))
   number_words.prepare(path, 'tiny')
   return path
@@ -63,11 +60,12 @@ def random_weight_translator(num_encoder_layers: int = 1, num_decoder_layers: in
   import flax.linen as nn
   import jax
   import jax.numpy as jnp
-  from transformer_jax import number_words
+
   from transformer_jax.config import TransformerConfig
+  from transformer_jax.data import number_words
+  from transformer_jax.data.tokenizer import Tokenizer
+  from transformer_jax.inference import Translator
   from transformer_jax.models import Transformer
-  from transformer_jax.tokenizer import Tokenizer
-  from transformer_jax.translate import Translator
   sentences = []
   for n in range(0, 3000, 7):
     sentences += [number_words.english_words(n), number_words.german_words(n)]

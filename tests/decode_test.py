@@ -7,9 +7,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer_jax.decode import (beam_search, beam_search_uncached,
-                                    expand_to_beams, greedy_search,
-                                    greedy_search_uncached, strip_after_eos)
+from transformer_jax.decode import (
+  beam_search,
+  beam_search_uncached,
+  expand_to_beams,
+  greedy_search,
+  greedy_search_uncached,
+  strip_after_eos,
+)
 
 PAD, BOS, EOS = 0, 1, 2
 VOCAB = 13

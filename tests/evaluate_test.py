@@ -6,7 +6,8 @@ import threading
 import pytest
 import sacrebleu
 
-from transformer_jax.evaluate import read_lines, score
+from transformer_jax.metrics import score
+from transformer_jax.text_io import read_lines
 
 
 def test_read_lines_keeps_empty_lines_and_strips_crlf(tmp_path):

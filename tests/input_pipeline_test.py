@@ -1,12 +1,16 @@
-"""TokenizedSplit: chunked tokenization equals per-example encoding; the token cache."""
+"""TokenizedSplit: chunked tokenization equals per-example encoding; the token cache; the
+training iterator's resumable state."""
 
 import os
 
 import numpy as np
+import pytest
+
+from transformer_jax.data import input_pipeline
+from transformer_jax.data.tokenizer import EOS_ID, Tokenizer
+from transformer_jax.errors import UserInputError
 
 from conftest import tiny_config
-from transformer_jax import input_pipeline
-from transformer_jax.tokenizer import EOS_ID, Tokenizer
 
 
 def _tokenizer_and_sources(config, data_dir, vocab_size=96):
@@ -52,3 +56,32 @@ def test_token_cache_is_reused_only_for_the_same_vocabulary(data_dir, tmp_path, 
   rebuilt = input_pipeline.TokenizedSplit.build(sources['test'], other, config, cache)
   np.testing.assert_array_equal(rebuilt[3]['inputs'],
                                 other.encode(sources['test'][3]['en'].decode()) + [EOS_ID])
+
+
+def test_train_iterator_state_resumes_and_names_a_changed_device_layout(data_dir):
+  config = tiny_config(data_dir)
+  tokenizer, sources = _tokenizer_and_sources(config, data_dir)
+  split = input_pipeline.TokenizedSplit.build(sources['train'], tokenizer, config)
+  iterator = input_pipeline.make_train_iterator(split, config)
+  next(iterator)
+  state = iterator.get_state()
+  assert state['layout'] == {'batching': 'fixed', 'process_count': 1, 'local_device_count': 1}
+  expected = next(iterator)
+  resumed = input_pipeline.make_train_iterator(split, config)
+  resumed.set_state(state)
+  np.testing.assert_array_equal(next(resumed)['inputs'], expected['inputs'])
+  # A checkpoint of an older run holds the position alone: still accepted.
+  resumed = input_pipeline.make_train_iterator(split, config)
+  resumed.set_state(state['position'])
+  np.testing.assert_array_equal(next(resumed)['inputs'], expected['inputs'])
+  on_two = input_pipeline.make_train_iterator(split, config, local_device_count=2)
+  with pytest.raises(UserInputError, match=r'written by a run on 1 process\(es\) x 1 local '
+                                           r'devices, this one runs on 1 process\(es\) x 2'):
+    on_two.set_state(state)
+  # Planned batches depend on the total device count only: 2 processes x 1 device = 1 x 2.
+  config.batching = 'tokens'
+  one_by_two = input_pipeline.make_train_iterator(split, config, local_device_count=2)
+  two_by_one = input_pipeline.make_train_iterator(split, config, process_count=2)
+  two_by_one.set_state(one_by_two.get_state())
+  with pytest.raises(UserInputError, match='written by a run on 2 devices, this one runs on 1'):
+    input_pipeline.make_train_iterator(split, config).set_state(one_by_two.get_state())

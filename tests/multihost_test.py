@@ -12,8 +12,9 @@ import time
 import jax
 import numpy as np
 
+from transformer_jax.inference import Translator
+
 from conftest import REPO_ROOT
-from transformer_jax.translate import Translator
 
 STEPS = 40
 

@@ -1,4 +1,4 @@
-"""Tests for transformer_jax.number_words (number words + tfds builder)."""
+"""Tests for transformer_jax.data.number_words (number words + tfds builder)."""
 
 import collections
 import pathlib
@@ -8,7 +8,7 @@ import time
 import pytest
 import tensorflow_datasets as tfds
 
-from transformer_jax import number_words as nw
+from transformer_jax.data import number_words as nw
 
 # (n, English, German). German follows standard orthography: one word below a
 # million, 'eins' only at the very end, 'ein' before hundert/tausend/und.

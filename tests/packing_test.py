@@ -16,13 +16,14 @@ import optax
 import pytest
 from flax.linen import meta
 
-from transformer_jax import batching, train_lib
-from transformer_jax.batching import PackedPlan, TokenBudgetPlan, make_packed_iterator
+from transformer_jax import train_lib
 from transformer_jax.config import TransformerConfig
-from transformer_jax.input_pipeline import TokenizedSplit
+from transformer_jax.data import batching, input_pipeline
+from transformer_jax.data.batching import PackedPlan, TokenBudgetPlan, make_packed_iterator
+from transformer_jax.data.input_pipeline import TokenizedSplit
+from transformer_jax.data.tokenizer import BOS_ID, EOS_ID
 from transformer_jax.losses import label_smoothed_cross_entropy
 from transformer_jax.models import Transformer, segment_positions, sinusoidal_positions
-from transformer_jax.tokenizer import BOS_ID, EOS_ID
 
 VOCAB = 40
 CFG = TransformerConfig(vocab_size=VOCAB, d_model=16, d_ff=32, num_heads=2,
@@ -458,10 +459,11 @@ def test_train_iterator_from_config(split):
                                       'max_target_length': PACK_LENGTH,
                                       'tokens_per_batch': PACK_TOKENS, 'seed': SEED,
                                       'grad_accum_steps': 1})
-  iterator = train_lib._make_train_iterator(config, split)
+  iterator = input_pipeline.make_train_iterator(split, config,
+                                                local_device_count=jax.local_device_count())
   batch = next(iterator)
   rows = PACK_TOKENS // PACK_LENGTH // jax.local_device_count() * jax.local_device_count()
   _check_batch(batch, split, rows)
   config.batching = 'nonsense'
   with pytest.raises(ValueError, match="'packed'"):
-    train_lib._make_train_iterator(config, split)
+    input_pipeline.make_train_iterator(split, config)

@@ -5,10 +5,11 @@ import functools
 import numpy as np
 import pytest
 
-from transformer_jax import plot_attention
-from transformer_jax.config import UserInputError
+from transformer_jax import attention_plots
+from transformer_jax.errors import UserInputError
+from transformer_jax.inference import Translator
+
 from conftest import random_weight_translator
-from transformer_jax.translate import Translator
 
 
 @functools.lru_cache(maxsize=1)
@@ -51,11 +52,11 @@ def test_plot_writes_one_panel_per_layer_and_head(tmp_path):
   maps = _translator().attention('one hundred', 'hundert')
   sizes = {}
   for kind, layers in (('cross', None), ('encoder', None), ('decoder', [2])):
-    out = plot_attention.plot(maps, kind, str(tmp_path / f'{kind}.png'), layers)
+    out = attention_plots.plot(maps, kind, str(tmp_path / f'{kind}.png'), layers)
     with Image.open(out) as image:
       assert image.format == 'PNG'
       sizes[kind] = image.size
   # 3 decoder layers drawn for 'cross', 1 for 'decoder': three times the height, same width.
   assert sizes['cross'][1] > 2.5 * sizes['decoder'][1]
   with pytest.raises(UserInputError, match='layer 4 does not exist'):
-    plot_attention.plot(maps, 'cross', str(tmp_path / 'x.png'), [4])
+    attention_plots.plot(maps, 'cross', str(tmp_path / 'x.png'), [4])

@@ -7,15 +7,16 @@ import sys
 
 import pytest
 
-from configs import default
-from transformer_jax import input_pipeline, prepare_data
-from transformer_jax.config import UserInputError
+from transformer_jax import run_config
+from transformer_jax.configs import default
+from transformer_jax.data import input_pipeline, tfds_prepare
+from transformer_jax.errors import UserInputError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_prepare_then_read_through_data_source(tmp_path):
-  info = prepare_data.prepare('number_words/tiny', str(tmp_path))
+  info = tfds_prepare.prepare('number_words/tiny', str(tmp_path))
   assert {name: split.num_examples for name, split in info.splits.items()} == {
       'train': 2000, 'validation': 200, 'test': 200}
   record_files = sorted(p for p in os.listdir(tmp_path / 'number_words/tiny/1.0.0')
@@ -23,7 +24,7 @@ def test_prepare_then_read_through_data_source(tmp_path):
   assert record_files
   mtimes = [os.path.getmtime(tmp_path / 'number_words/tiny/1.0.0' / p) for p in record_files]
   # A second call finds the dataset prepared and writes nothing.
-  prepare_data.prepare('number_words/tiny', str(tmp_path))
+  tfds_prepare.prepare('number_words/tiny', str(tmp_path))
   assert mtimes == [os.path.getmtime(tmp_path / 'number_words/tiny/1.0.0' / p)
                     for p in record_files]
   # Training reads it by name, as any catalog dataset prepared this way.
@@ -35,9 +36,9 @@ def test_prepare_then_read_through_data_source(tmp_path):
 
 def test_unknown_dataset_and_config_are_named(tmp_path):
   with pytest.raises(UserInputError, match=r"--dataset='nosuch_dataset': Dataset nosuch"):
-    prepare_data.prepare('nosuch_dataset', str(tmp_path))
+    tfds_prepare.prepare('nosuch_dataset', str(tmp_path))
   with pytest.raises(UserInputError, match=r"no such dataset config \(it has: cs-en, de-en, "):
-    prepare_data.prepare('wmt14_translate/xx-yy', str(tmp_path))
+    tfds_prepare.prepare('wmt14_translate/xx-yy', str(tmp_path))
   assert not any('.array_record' in name for _, _, names in os.walk(tmp_path) for name in names)
 
 
@@ -45,7 +46,7 @@ def test_unknown_dataset_and_config_are_named(tmp_path):
                     reason='TensorFlow is installed (the [prepare] extra)')
 def test_stock_builder_without_tensorflow_says_which_extra(tmp_path):
   # The WMT14 builder is found (its features are the config's language names) ...
-  builder = prepare_data._builder('wmt14_translate/de-en', str(tmp_path))
+  builder = tfds_prepare.builder('wmt14_translate/de-en', str(tmp_path))
   assert set(builder.info.features.keys()) == {'de', 'en'}
   # ... but downloading it needs TensorFlow: a one-line error and exit 2, nothing written.
   result = subprocess.run(
@@ -61,6 +62,7 @@ def test_stock_builder_without_tensorflow_says_which_extra(tmp_path):
 def test_gcs_data_dir_for_training_is_a_clear_error():
   config = default.get_config()
   config.dataset = 'wmt14_translate/de-en'
+  config.data_dir = 'gs://b/tfds'
   with pytest.raises(UserInputError, match=r"config.data_dir='gs://b/tfds': array_record "
                                            r'cannot read from gs://'):
-    input_pipeline.load_data_sources(config, 'gs://b/tfds')
+    run_config.validate_run_config(config)

@@ -14,11 +14,12 @@ import numpy as np
 import optax
 import pytest
 
-from conftest import REPO_ROOT, tiny_config
 from transformer_jax import train_lib
 from transformer_jax.checkpointing import Checkpointer
-from transformer_jax.config import UserInputError
-from transformer_jax.workdir_lock import WorkdirLock
+from transformer_jax.errors import NonFiniteError, UserInputError
+from transformer_jax.workdir import Workdir
+
+from conftest import REPO_ROOT, tiny_config
 
 
 class _ScaledModel:
@@ -77,7 +78,7 @@ def test_diverging_run_stops_naming_the_steps_and_keeps_finite_checkpoints(tmp_p
   config.learning_rate_scale = 1e30  # Parameters overflow after the first update.
   config.max_consecutive_nonfinite_steps = 3
   config.checkpoint_every_steps = 2
-  with pytest.raises(train_lib.NonFiniteError, match=r'NaN/Inf for 3 consecutive steps'):
+  with pytest.raises(NonFiniteError, match=r'NaN/Inf for 3 consecutive steps'):
     train_lib.train_and_evaluate(config, str(tmp_path))
   with Checkpointer(str(tmp_path / 'checkpoints'), async_save=False) as checkpointer:
     steps = checkpointer.all_steps()
@@ -85,7 +86,7 @@ def test_diverging_run_stops_naming_the_steps_and_keeps_finite_checkpoints(tmp_p
 
 
 def test_second_run_on_a_locked_workdir_is_refused(tmp_path, data_dir):
-  with WorkdirLock(str(tmp_path)):
+  with Workdir(str(tmp_path)).lock():
     with pytest.raises(UserInputError, match='is in use by a running training process'):
       train_lib.train_and_evaluate(tiny_config(data_dir), str(tmp_path))
   # Released: the same workdir trains now.
@@ -98,17 +99,17 @@ def test_lock_is_released_when_its_process_is_killed(tmp_path):
   holder = subprocess.Popen(
       [sys.executable, '-c',
        'import sys, time; sys.path.insert(0, sys.argv[1]);'
-       'from transformer_jax.workdir_lock import WorkdirLock;'
-       'lock = WorkdirLock(sys.argv[2]).acquire(); print("held", flush=True); time.sleep(60)',
+       'from transformer_jax.workdir import Workdir;'
+       'lock = Workdir(sys.argv[2]).lock().acquire(); print("held", flush=True); time.sleep(60)',
        REPO_ROOT, str(tmp_path)], stdout=subprocess.PIPE, text=True)
   try:
     assert holder.stdout.readline().strip() == 'held'
     with pytest.raises(UserInputError, match=f'pid {holder.pid}'):
-      WorkdirLock(str(tmp_path)).acquire()
+      Workdir(str(tmp_path)).lock().acquire()
   finally:
     holder.send_signal(signal.SIGKILL)
     holder.wait()
-  WorkdirLock(str(tmp_path)).acquire().release()  # No stale lock after kill -9.
+  Workdir(str(tmp_path)).lock().acquire().release()  # No stale lock after kill -9.
 
 
 def _tiny_train_command(workdir, data_dir) -> list[str]:
@@ -196,8 +197,8 @@ def stopped_and_resumed_run(tmp_path_factory, data_dir):
 @pytest.mark.parametrize('how', ['truncate', 'flip'])
 def test_damaged_checkpoint_is_named_and_training_falls_back(tmp_path, data_dir, straight_run,
                                                              stopped_and_resumed_run, how):
-  from transformer_jax.checkpointing import CorruptCheckpointError
-  from transformer_jax.translate import Translator
+  from transformer_jax.errors import CorruptCheckpointError
+  from transformer_jax.inference import Translator
   config = _resumed_config(data_dir)
   damaged = str(tmp_path / 'damaged')
   shutil.copytree(stopped_and_resumed_run, damaged)  # Each case damages its own copy.
@@ -238,7 +239,9 @@ def test_kill_9_at_random_moments_then_resume_equals_uninterrupted(tmp_path, dat
   """SIGKILL at random moments (start-up, mid-step, mid-save), restarting each time: the run
   always resumes from its latest complete checkpoint and ends bitwise equal to an
   uninterrupted run with the same seed."""
-  steps = 100
+  # Enough steps that no attempt can finish within the 2 s before its kill: a tiny step takes
+  # milliseconds, so at 100 a quick machine finished the third attempt before it was killed.
+  steps = 300
   # A checkpoint every 10 steps (written asynchronously while training goes on, each taking
   # longer than the 10 steps), so most kills land during a save; 3 kept, so old ones are
   # being deleted too.
@@ -299,3 +302,118 @@ def test_kill_9_at_random_moments_then_resume_equals_uninterrupted(tmp_path, dat
       final[name] = checkpointer.restore_params_to_host(steps)
   for got, want in zip(jax.tree.leaves(final['killed']), jax.tree.leaves(final['reference'])):
     np.testing.assert_array_equal(got, want)
+
+
+# Resuming with dropout on: every test above trains with the default dropout 0, where a
+# dropout key that resumed wrongly (not restored, re-seeded, folded with the wrong step) could
+# not change a single bit. These train their own runs with dropout on (straight_run keeps 0).
+
+
+def _dropout_config(data_dir):
+  """The tiny config (8 steps, checkpoints at 4 and 8) with residual and attention dropout."""
+  config = tiny_config(data_dir)
+  config.model.dropout_rate = 0.1
+  config.model.attention_dropout_rate = 0.1
+  return config
+
+
+def _final_params(workdir, step=8):
+  with Checkpointer(os.path.join(workdir, 'checkpoints'), keep=None) as checkpointer:
+    assert checkpointer.latest_step() == step, checkpointer.all_steps()
+    return checkpointer.restore_params_to_host(step)
+
+
+def _wrap_train_step(monkeypatch, before=None, after=None):
+  """Calls before(state) -> state ahead of every training step and after(state) behind it.
+
+  Patches the Trainer class for this test only (monkeypatch undoes it).
+  """
+  original = train_lib.Trainer.step
+
+  def step(self, state, local_batch):
+    if before is not None:
+      state = before(state)
+    state, metrics = original(self, state, local_batch)
+    if after is not None:
+      after(state)
+    return state, metrics
+
+  monkeypatch.setattr(train_lib.Trainer, 'step', step)
+
+
+@pytest.fixture(scope='module')
+def dropout_straight_run(tmp_path_factory, data_dir):
+  """8 uninterrupted steps with dropout on."""
+  workdir = str(tmp_path_factory.mktemp('dropout_straight'))
+  train_lib.train_and_evaluate(_dropout_config(data_dir), workdir)
+  return workdir
+
+
+@pytest.fixture(scope='module')
+def dropout_stopped_run(tmp_path_factory, data_dir):
+  """The same run stopped twice: at its checkpoint step 4 (num_train_steps 4), then, resumed
+  with num_train_steps 8, by SIGTERM after step 6 (not a checkpoint step), which checkpoints
+  step 6. Tests resume copies of it."""
+  workdir = str(tmp_path_factory.mktemp('dropout_stopped'))
+  config = _dropout_config(data_dir)
+  config.num_train_steps = 4
+  train_lib.train_and_evaluate(config, workdir)
+
+  steps = []
+
+  def sigterm_after_step_6(state):
+    steps.append(int(state.step))
+    if steps[-1] == 6:
+      # With no handler installed, SIGTERM would end pytest itself: fail instead.
+      assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, signal.SIG_IGN, None), \
+          'train_and_evaluate installed no SIGTERM handler'
+      signal.raise_signal(signal.SIGTERM)
+
+  with pytest.MonkeyPatch.context() as monkeypatch:
+    _wrap_train_step(monkeypatch, after=sigterm_after_step_6)
+    result = train_lib.train_and_evaluate(_dropout_config(data_dir), workdir)
+  assert steps == [5, 6], steps  # Resumed from 4; stopped after 6.
+  assert result.get('preempted') == 1.0 and result.get('step') == 6.0, result
+  _final_params(workdir, 6)  # Checkpointed at step 6, where it stopped.
+  return workdir
+
+
+def test_resume_with_dropout_is_bitwise_the_uninterrupted_run(tmp_path, data_dir,
+                                                             dropout_straight_run,
+                                                             dropout_stopped_run):
+  """Resumed from step 4 and then from the SIGTERM checkpoint at step 6, every step draws the
+  uninterrupted run's dropout masks: the parameters end bitwise equal."""
+  workdir = str(tmp_path / 'resumed')
+  shutil.copytree(dropout_stopped_run, workdir)
+  train_lib.train_and_evaluate(_dropout_config(data_dir), workdir)
+  want, got = _final_params(dropout_straight_run), _final_params(workdir)
+  for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree.leaves(got)):
+    np.testing.assert_array_equal(y, x, err_msg=jax.tree_util.keystr(path))
+
+
+def test_resume_with_another_dropout_key_is_not_the_uninterrupted_run(
+    tmp_path, monkeypatch, data_dir, dropout_straight_run, dropout_stopped_run):
+  """The check above can fail: resumed from step 6 with any other dropout key (as a resume
+  that re-seeded it would), steps 7 and 8 draw other masks and the parameters end elsewhere;
+  with dropout ignored they would not."""
+  workdir = str(tmp_path / 'rekeyed')
+  shutil.copytree(dropout_stopped_run, workdir)
+  rekeyed = []
+
+  def other_key_on_resume(state):
+    if not rekeyed:
+      rekeyed.append(int(state.step))
+      state = state.replace(dropout_rng=jax.random.fold_in(state.dropout_rng, 1))
+    return state
+
+  _wrap_train_step(monkeypatch, before=other_key_on_resume)
+  train_lib.train_and_evaluate(_dropout_config(data_dir), workdir)
+  assert rekeyed == [6]
+  want, got = _final_params(dropout_straight_run), _final_params(workdir)
+  differing = [jax.tree_util.keystr(path)
+               for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(want),
+                                       jax.tree.leaves(got))
+               if not np.array_equal(x, y)]
+  # Dropout reaches every gradient, so nearly every tensor moves, not one or two.
+  total = len(jax.tree.leaves(want))
+  assert len(differing) > total // 2, f'{len(differing)} of {total} tensors differ: {differing}'

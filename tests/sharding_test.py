@@ -1,5 +1,5 @@
 """Sharding: data / FSDP / tensor parallel layouts by config alone, equal results, portable
-checkpoints. The multi-device checks share one subprocess with 8 fake CPU devices."""
+checkpoints. The multi-device checks run in subprocesses with 8 fake CPU devices, one per test."""
 
 import os
 import subprocess
@@ -9,8 +9,9 @@ import textwrap
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from conftest import REPO_ROOT
 from transformer_jax import sharding
+
+from conftest import REPO_ROOT
 
 MESH = {'data': 2, 'fsdp': 1, 'tensor': 4}
 
@@ -40,7 +41,9 @@ def test_create_mesh_shapes():
     sharding.create_mesh((-1, -1, 1))
 
 
-_LAYOUTS = textwrap.dedent('''
+# Shared by the 8-device scripts below (run by _run_on_8_devices, which formats in the paths;
+# hence the doubled braces).
+_PREAMBLE = textwrap.dedent('''
     import os, sys, tempfile
     # Compiling dominates this script's time; XLA's CPU backend at optimisation level 0 compiles
     # ~2x faster. Every layout below runs under the same flags, so comparisons are unaffected.
@@ -54,12 +57,12 @@ _LAYOUTS = textwrap.dedent('''
     assert jax.device_count() == 8, jax.devices()
     from jax.sharding import PartitionSpec as P
     from conftest import tiny_config
-    from transformer_jax import sharding, train_lib
+    from transformer_jax import run_config, sharding, train_lib
     from transformer_jax.checkpointing import Checkpointer
 
     config = tiny_config('unused')
     config.model.num_heads = 4  # d_model 32, d_ff 64, vocab 96: every sharded dim divides 8.
-    model_config = train_lib.model_config_from(config, 96)
+    model_config = run_config.model_config_from(config, 96)
     rng = np.random.default_rng(0)
     batch = {{'inputs': rng.integers(4, 96, (16, 24)).astype(np.int32),
              'targets': rng.integers(4, 96, (16, 20)).astype(np.int32)}}
@@ -75,7 +78,10 @@ _LAYOUTS = textwrap.dedent('''
 
     def specs(tree):
       return jax.tree_util.tree_map(lambda x: x.sharding.spec, tree)
+''')
 
+
+_LAYOUTS = textwrap.dedent('''
     layouts = {{'one': ((-1, 1, 1), jax.devices()[:1]), 'data': ((8, 1, 1), None),
                'fsdp': ((1, 8, 1), None), 'tensor': ((2, 1, 4), None),
                # FSDP=8 with the 16 rows as 2 accumulated micro-batches of 8 (one per device).
@@ -168,16 +174,118 @@ _LAYOUTS = textwrap.dedent('''
 ''')
 
 
-def test_layouts_equal_one_device_and_checkpoints_move_between_them():
-  code = _LAYOUTS.format(repo=REPO_ROOT, tests=os.path.join(REPO_ROOT, 'tests'))
+def _run_on_8_devices(body: str, timeout: int = 300) -> subprocess.CompletedProcess:
+  """_PREAMBLE + `body` in a fresh Python with 8 fake CPU devices; it must print 'OK'."""
+  code = (_PREAMBLE + body).format(repo=REPO_ROOT, tests=os.path.join(REPO_ROOT, 'tests'))
   result = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
-                          timeout=300)
+                          timeout=timeout)
   assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-5000:]
   assert 'OK' in result.stdout
   print(result.stdout)
+  return result
+
+
+def test_layouts_equal_one_device_and_checkpoints_move_between_them():
+  result = _run_on_8_devices(_LAYOUTS)
   divisibility_log = result.stderr.split('divisibility check')[-1]
   assert "'heads' of size 4 is not divisible by mesh axes tensor=8" in divisibility_log, (
       result.stderr[-3000:])
+
+
+_TENSOR_CHECKPOINT = textwrap.dedent('''
+    import re
+
+    def named_leaves(tree):
+      return [(jax.tree_util.keystr(path), leaf)
+              for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+    def tensor_dims(x):
+      return [dim for dim, axes in enumerate(x.sharding.spec)
+              if 'tensor' in ((axes,) if isinstance(axes, str) else axes or ())]
+
+    def assert_bitwise(got, want, what):
+      got, want = np.asarray(jax.device_get(got)), np.asarray(want)
+      assert (got.dtype, got.shape) == (want.dtype, want.shape), (what, got.dtype, want.dtype)
+      if got.tobytes() != want.tobytes():
+        np.testing.assert_array_equal(got, want, err_msg=what)
+        raise AssertionError(f'{{what}}: equal values but different bits (e.g. -0.0 and 0.0)')
+
+    tensor, data = trainer_for((2, 1, 4)), trainer_for((8, 1, 1))
+    one = trainer_for((-1, 1, 1), jax.devices()[:1])  # Built for its abstract state only.
+    state = tensor.init_state(seed=0)
+    for _ in range(2):
+      state, _ = tensor.step(state, batch)
+
+    # What is saved really is split: every attention (q, k, v, out) and FFN (wi, wo) kernel,
+    # and its two Adam moments, holds 1/4 of it per device along one dimension over 'tensor'.
+    split = re.compile(r"(_attention'\\]\\['(query|key|value|out)|\\['ffn'\\]\\['w[io])'\\]"
+                       r"\\['kernel'\\]$")
+    kernels = [(name, x) for name, x in named_leaves(state) if split.search(name)]
+    assert len(kernels) == 3 * 16, [name for name, _ in kernels]  # params, mu, nu
+    for name, x in kernels:
+      dims = tensor_dims(x)
+      assert len(dims) == 1, (name, x.sharding.spec)
+      assert x.addressable_shards[0].data.shape[dims[0]] * 4 == x.shape[dims[0]], name
+    saved = named_leaves(jax.device_get(state))
+    num_params = sum(name.startswith('.params') for name, _ in saved)
+    assert sum(name.startswith('.opt_state') for name, _ in saved) > 2 * num_params, num_params
+
+    with tempfile.TemporaryDirectory() as tmp:
+      directory = os.path.join(tmp, 'tensor')
+      with Checkpointer(directory, async_save=False) as checkpointer:
+        checkpointer.save(2, state, {{'layout': 'tensor'}})
+      # The next step under the saving layout: what a run resumed elsewhere must reproduce.
+      next_tensor, metrics_tensor = jax.device_get(tensor.step(state, batch))
+      with Checkpointer(directory, keep=None) as checkpointer:
+        restored = {{'data': checkpointer.restore(data.abstract_state),
+                    'one': checkpointer.restore(one.abstract_state)}}
+        # As Translator.from_checkpoint does: parameters only, onto one device.
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        restored_params = checkpointer.restore_params(jax.tree_util.tree_map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
+            one.abstract_state.params))
+
+    # Bitwise the saved values, now in the target layout (no 'tensor' left anywhere).
+    for layout, trainer in (('data', data), ('one', one)):
+      got, data_state = restored[layout]
+      assert data_state == {{'layout': 'tensor'}}, data_state
+      got, want = named_leaves(got), named_leaves(trainer.abstract_state)
+      assert [n for n, _ in got] == [n for n, _ in saved] == [n for n, _ in want], layout
+      for (name, x), (_, value), (_, target) in zip(got, saved, want):
+        assert x.sharding == target.sharding, (layout, name, x.sharding, target.sharding)
+        assert not tensor_dims(x), (layout, name, x.sharding)
+        assert_bitwise(x, value, f'{{layout}} {{name}}')
+      query = dict(got)[".params['decoder_layers']['self_attention']['query']['kernel']"]
+      assert query.sharding.spec == P(None, None, None, None), (layout, query.sharding)
+      assert [s.data.shape for s in query.addressable_shards] == \\
+          [query.shape] * len(trainer.mesh.devices.flat), (layout, query.addressable_shards)
+    got = named_leaves(restored_params)
+    assert [n for n, _ in got] == [n[len('.params'):] for n, _ in saved if n.startswith('.params')]
+    for (name, x), (_, value) in zip(got, [(n, v) for n, v in saved if n.startswith('.params')]):
+      assert x.sharding == device, (name, x.sharding)
+      assert_bitwise(x, value, f'params-only {{name}}')
+
+    # One more step from the restored state under data parallelism equals the tensor-parallel
+    # one (same tolerance as the layout comparison above; only reduction order differs).
+    next_data, metrics_data = jax.device_get(data.step(restored['data'][0], batch))
+    for key in ('loss_sum', 'grad_norm'):
+      np.testing.assert_allclose(metrics_data[key], metrics_tensor[key], rtol=1e-5, err_msg=key)
+    assert [n for n, _ in named_leaves(next_data)] == [n for n, _ in saved]
+    worst, moved = 0.0, 0.0
+    for (name, a), (_, b), (_, before) in zip(named_leaves(next_tensor), named_leaves(next_data),
+                                              saved):
+      np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6, err_msg=name)
+      if name.startswith('.params'):
+        worst = max(worst, float(np.max(np.abs(a - b))))
+        moved = max(moved, float(np.max(np.abs(a - before))))
+    assert moved > 1e-4, moved  # The step did change the parameters.
+    print(f'tensor -> data: next step max param diff {{worst:.2g}} (step moved them {{moved:.2g}})')
+    print('OK')
+''')
+
+
+def test_tensor_parallel_checkpoint_restores_under_data_parallel_and_on_one_device():
+  _run_on_8_devices(_TENSOR_CHECKPOINT)
 
 
 @pytest.mark.parametrize('name, value, several', [
@@ -196,6 +304,6 @@ def test_multiprocess_environment_is_detected(monkeypatch, name, value, several)
 
 
 def test_coordinator_address_needs_process_count_and_id():
-  from transformer_jax.config import UserInputError
+  from transformer_jax.errors import UserInputError
   with pytest.raises(UserInputError, match='--coordinator_address needs --num_processes'):
     sharding.initialize_distributed('127.0.0.1:1234', num_processes=2)

@@ -1,4 +1,4 @@
-"""Tests for transformer_jax.text_dataset (user parallel text -> tfds array_record)."""
+"""Tests for transformer_jax.data.text_dataset (user parallel text -> tfds array_record)."""
 
 import logging
 import os
@@ -10,8 +10,8 @@ import time
 import pytest
 import tensorflow_datasets as tfds
 
-from transformer_jax import text_dataset as td
-from transformer_jax.config import UserInputError
+from transformer_jax.data import text_dataset as td
+from transformer_jax.errors import UserInputError
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MULTI30K = os.path.join(REPO_ROOT, '..', 'shared', 'data', 'multi30k')
@@ -227,7 +227,7 @@ def test_loads_in_fresh_process_without_this_module(prepared):
   code = ('import sys, tensorflow_datasets as tfds\n'
           f'ds = tfds.data_source({name!r}, data_dir={str(data_dir)!r}, try_gcs=False)\n'
           "print(len(ds['train']), ds['train'][0]['en'].decode(),\n"
-          "      'transformer_jax.text_dataset' in sys.modules, 'tensorflow' in sys.modules)\n")
+          "      'transformer_jax.data.text_dataset' in sys.modules, 'tensorflow' in sys.modules)\n")
   out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
                        check=True, cwd=str(data_dir)).stdout.split()
   kept = sum(isinstance(row[2], tuple) for row in TRAIN_ROWS)

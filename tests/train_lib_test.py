@@ -6,12 +6,15 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import tiny_config
-from transformer_jax import input_pipeline, train_lib
+from transformer_jax import run_config, train_lib
 from transformer_jax.checkpointing import Checkpointer
-from transformer_jax.config import UserInputError
-from transformer_jax.tokenizer import Tokenizer
-from transformer_jax.translate import Translator
+from transformer_jax.data import input_pipeline
+from transformer_jax.data.tokenizer import Tokenizer
+from transformer_jax.errors import UserInputError
+from transformer_jax.inference import Translator
+from transformer_jax.workdir import Workdir
+
+from conftest import tiny_config
 
 
 def _final_params(workdir):
@@ -38,7 +41,7 @@ def test_training_lowers_the_loss(tmp_path, data_dir):
 
   # The same model untrained (same seed, same vocabulary), on the same validation batches.
   tokenizer = Tokenizer.load(str(tmp_path / 'vocab.model'))
-  trainer = train_lib.Trainer(config, train_lib.model_config_from(config, tokenizer.vocab_size))
+  trainer = train_lib.Trainer(config, run_config.model_config_from(config, tokenizer.vocab_size))
   sources = input_pipeline.load_data_sources(config, data_dir)
   split = input_pipeline.TokenizedSplit.build(sources['validation'], tokenizer, config)
   batches = input_pipeline.make_eval_batches(split, config, batch_size=64)
@@ -91,7 +94,7 @@ def test_invalid_model_size_names_the_field(tmp_path, data_dir):
 def test_gradient_accumulation_equals_one_big_batch(tmp_path):
   config = tiny_config(str(tmp_path))
   config.learning_rate_scale = 1.0
-  model_config = train_lib.model_config_from(config, vocab_size=40)  # No dropout by default.
+  model_config = run_config.model_config_from(config, vocab_size=40)  # No dropout by default.
   rng = np.random.default_rng(0)
   rows = 8
   # Rows of very different lengths, so the micro-batches hold different numbers of tokens:
@@ -137,14 +140,15 @@ def test_bfloat16_loss_curve_tracks_float32(tmp_path, data_dir):
   config.learning_rate_scale = 0.15
   config.warmup_steps = 20
   sources = input_pipeline.load_data_sources(config, data_dir)
-  tokenizer = input_pipeline.load_or_train_tokenizer(config, str(tmp_path), sources['train'])
+  tokenizer = input_pipeline.load_or_train_tokenizer(config, Workdir(str(tmp_path)),
+                                                     sources['train'])
   split = input_pipeline.TokenizedSplit.build(sources['train'], tokenizer, config)
-  iterator = input_pipeline.make_train_iterator(split, config, batch_size=16, seed=0)
+  iterator = input_pipeline.make_fixed_iterator(split, config, batch_size=16, seed=0)
   batches = [next(iterator) for _ in range(60)]
   curves = {}
   for dtype in ('float32', 'bfloat16'):
     config.model.dtype = dtype
-    trainer = train_lib.Trainer(config, train_lib.model_config_from(config,
+    trainer = train_lib.Trainer(config, run_config.model_config_from(config,
                                                                     tokenizer.vocab_size))
     state = trainer.init_state(seed=0)
     losses = []

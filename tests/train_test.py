@@ -2,6 +2,7 @@
 
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -20,16 +21,18 @@ _TINY_FLAGS = [
 ]
 
 
-def _run(args, stdin=None, timeout=300):
+def _run(args, stdin=None, timeout=300, cwd=REPO_ROOT):
   return subprocess.run([sys.executable, *args], input=stdin, capture_output=True,
-                        cwd=REPO_ROOT, timeout=timeout)
+                        cwd=cwd, timeout=timeout)
 
 
 @pytest.fixture(scope='module')
 def trained_workdir(tmp_path_factory, data_dir):
   workdir = str(tmp_path_factory.mktemp('workdir'))
-  result = _run(['train.py', f'--workdir={workdir}', f'--config.data_dir={data_dir}',
-                 *_TINY_FLAGS])
+  # Started from another directory: the default config is found without the checkout as cwd.
+  elsewhere = tmp_path_factory.mktemp('elsewhere')
+  result = _run([os.path.join(REPO_ROOT, 'train.py'), f'--workdir={workdir}',
+                 f'--config.data_dir={data_dir}', *_TINY_FLAGS], cwd=elsewhere)
   assert result.returncode == 0, result.stderr.decode()[-3000:]
   return workdir, result.stderr.decode()
 
@@ -77,7 +80,7 @@ def test_train_py_invalid_size_is_a_one_line_error(tmp_path, data_dir):
                  *_TINY_FLAGS, '--config.model.d_ff=0'])
   assert result.returncode == 2
   error_lines = [l for l in result.stderr.decode().splitlines() if l.startswith('error: ')]
-  assert error_lines == ['error: TransformerConfig.d_ff must be a positive integer, got 0']
+  assert error_lines == ['error: config.model.d_ff must be a positive integer, got 0']
   assert 'Traceback' not in result.stderr.decode()
 
 
@@ -107,7 +110,8 @@ def test_train_py_config_flag_mistakes_are_one_line_errors(tmp_path, flags, expe
 def test_averaged_checkpoint_is_loaded_by_name_and_by_default(trained_workdir):
   import jax
   import numpy as np
-  from transformer_jax.translate import Translator
+
+  from transformer_jax.inference import Translator
   workdir, _ = trained_workdir
   result = _run(['-m', 'transformer_jax.average', f'--workdir={workdir}', '--last=2'])
   assert result.returncode == 0, result.stderr.decode()[-3000:]
@@ -130,7 +134,8 @@ def test_averaged_checkpoint_is_loaded_by_name_and_by_default(trained_workdir):
 
 def test_evaluate_prints_sacrebleu_with_signature_and_writes_hypotheses(trained_workdir, tmp_path):
   import sacrebleu
-  from transformer_jax import number_words
+
+  from transformer_jax.data import number_words
   workdir, _ = trained_workdir
   numbers = [7, 21, 342005, 1000001, 90]
   src, ref = tmp_path / 'test.en', tmp_path / 'test.de'
@@ -224,3 +229,21 @@ def test_plot_attention_command_draws_a_png(trained_workdir, tmp_path):
   assert bad.returncode == 2
   assert bad.stderr.decode().strip().splitlines()[-1] == (
       'error: --layers: layer 7 does not exist (the model has 1, numbered from 1)')
+
+
+def test_resuming_on_a_different_device_count_is_refused(trained_workdir, tmp_path):
+  # Fixed-size batches are this process's slice of the data, per_device_batch_size per
+  # device: on 2 devices the resumed run would see other batches than the interrupted one.
+  workdir = str(tmp_path / 'copy')
+  shutil.copytree(trained_workdir[0], workdir)
+  env = dict(os.environ, XLA_FLAGS=os.environ.get('XLA_FLAGS', '')
+             + ' --xla_force_host_platform_device_count=2')
+  result = subprocess.run(
+      [sys.executable, 'train.py', f'--workdir={workdir}', *_TINY_FLAGS,
+       '--config.num_train_steps=9'], capture_output=True, cwd=REPO_ROOT, env=env, timeout=300)
+  assert result.returncode == 2, result.stderr.decode()[-3000:]
+  assert result.stderr.decode().strip().splitlines()[-1] == (
+      'error: the checkpoint was written by a run on 1 process(es) x 1 local devices, this one '
+      'runs on 1 process(es) x 2 local devices: its batches would differ from those the '
+      'interrupted run was training on. Resume on the same devices, or start a new --workdir')
+  assert sorted(os.listdir(os.path.join(workdir, 'checkpoints'))) == ['3', '6']  # Untouched.

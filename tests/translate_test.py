@@ -1,5 +1,6 @@
 """Translator: exactly one output line per input line, in order, whatever the input."""
 
+import copy
 import functools
 
 import jax
@@ -9,8 +10,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from transformer_jax import inference
+from transformer_jax.benchmark import decoding as decode_benchmark
+from transformer_jax.inference import Translator, _bucket
+
 from conftest import random_weight_translator
-from transformer_jax.translate import Translator, _bucket
 
 
 @functools.lru_cache(maxsize=1)
@@ -97,15 +100,15 @@ def test_a_cudnn_trained_model_translates_on_cpu_through_xla_attention(tmp_path)
   import json
   import os
 
-  from transformer_jax.average import averaged_dir
   from transformer_jax.checkpointing import save_params
+  from transformer_jax.workdir import Workdir
 
   reference = _translator()
   cudnn_config = reference.model_config.replace(attention_impl='cudnn', dtype='bfloat16')
   (tmp_path / 'config.json').write_text(json.dumps({'model': cudnn_config.to_dict()}))
   reference.tokenizer.save(str(tmp_path / 'vocab.model'))
   os.makedirs(tmp_path / 'checkpoints')
-  save_params(averaged_dir(str(tmp_path)), reference.params)
+  save_params(Workdir(str(tmp_path)).averaged, reference.params)
   loaded = Translator.from_checkpoint(str(tmp_path), 'averaged')
   assert loaded.model_config == cudnn_config.replace(attention_impl='xla')
   float32 = Translator(loaded.model_config.replace(dtype='float32'), loaded.params,
@@ -137,3 +140,22 @@ def test_repeated_batch_shapes_compile_once():
   assert (translator._greedy._cache_size(), translator._beam._cache_size()) == compiled
   translator.translate(longer, beam_size=1)
   assert translator._greedy._cache_size() == 2
+
+
+@pytest.mark.parametrize('beam_size', [1, 4])
+def test_output_is_capped_at_input_length_plus_50_tokens(beam_size):
+  # With EOS suppressed the model never stops by itself, so every output is exactly as long as
+  # the cap: its own source's token count + 50, also when a longer sentence shares its batch,
+  # and never more than the model's max_len (EOS counted on both sides, stripped from output).
+  base = _translator()
+  params, suppressed = decode_benchmark.suppress_eos(base.params, base.model_config)
+  assert suppressed
+  translator = Translator(base.model_config.replace(max_len=96), params, base.tokenizer,
+                          batch_size=4)
+  translator.tokenizer = copy.copy(base.tokenizer)
+  translator.tokenizer.decode = lambda ids: str(len(ids))  # Output token counts, not text.
+  sentences = ['one', 'seven hundred forty-two thousand three hundred one', 'one ' * 60]
+  counts = [int(n) for n in translator.translate(sentences, beam_size=beam_size)]
+  source_tokens = [len(base.tokenizer.encode(s)) + 1 for s in sentences]
+  assert source_tokens[0] < source_tokens[1] < 96 - 50 < source_tokens[2]
+  assert counts == [source_tokens[0] + 49, source_tokens[1] + 49, 95]

@@ -15,7 +15,7 @@ Restoring takes an *abstract* state (jax.ShapeDtypeStruct leaves with
 what makes a checkpoint written on one device layout loadable on another.
 
 Besides the step checkpoints there is a *params-only* checkpoint (used for the
-averaged parameters, see transformer_jax/average.py): `save_params` writes
+averaged parameters, see transformer_jax/averaging.py): `save_params` writes
 
   DIRECTORY/params/         the params pytree (orbax StandardSave)
   DIRECTORY/metadata.json   a small JSON dict, written last
@@ -40,7 +40,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from transformer_jax.config import UserInputError
+from transformer_jax.errors import CorruptCheckpointError, UserInputError
 
 _STATE = 'state'
 _DATA = 'data'
@@ -48,10 +48,6 @@ _DATA = 'data'
 # compressed chunks do not detect every damaged byte (a flipped byte restored silently with
 # wrong values in a test with 0.12.8), so restore() verifies these.
 _CHECKSUMS = '_checksums'
-
-
-class CorruptCheckpointError(RuntimeError):
-  """A checkpoint that exists but cannot be read back intact."""
 
 
 def _path_name(path) -> str:
@@ -92,12 +88,15 @@ class Checkpointer:
   """Keeps the last `keep` checkpoints of (state, data_state) in `directory`."""
 
   def __init__(self, directory: str, *, keep: int | None = 3,
-               async_save: bool = True):
+               async_save: bool = True, damaged_directory: str | None = None):
     # keep=None keeps every checkpoint (use it for read-only access, so that
     # opening a directory can never be what prunes it).
+    # damaged_directory: where `quarantine` moves steps that do not read back
+    # (None: they stay where they are, and restore_latest_valid cannot skip them).
     # orbax requires an absolute path; normalising here lets callers pass
     # relative paths and gives a stable string for error messages.
     self.directory = os.path.abspath(os.fspath(directory))
+    self.damaged_directory = damaged_directory
     options = ocp.CheckpointManagerOptions(
         max_to_keep=keep, create=True, enable_async_checkpointing=async_save)
     self._manager = ocp.CheckpointManager(
@@ -115,13 +114,11 @@ class Checkpointer:
 
   # ---- save ----
 
-  def save(self, step: int, state: Any, data_state: dict | None = None, *,
-           force: bool = False) -> bool:
+  def save(self, step: int, state: Any, data_state: dict | None = None) -> bool:
     """Dispatches a save of `state` and `data_state` at `step`.
 
     With async saving this returns once device arrays are copied off and the
     write is running in the background; call `wait_until_finished` to block.
-    `force` saves even if the manager's save policy would skip this step.
     Returns whether a save was started.
     """
     data = dict(data_state or {})
@@ -130,7 +127,7 @@ class Checkpointer:
         _STATE: ocp.args.StandardSave(state),
         _DATA: ocp.args.JsonSave(data),
     })
-    return bool(self._manager.save(int(step), args=args, force=force))
+    return bool(self._manager.save(int(step), args=args))
 
   # ---- restore ----
 
@@ -177,7 +174,7 @@ class Checkpointer:
                            on_error=None) -> tuple[Any, dict, int] | None:
     """(state, data_state, step) of the newest checkpoint that reads back intact, or None.
 
-    Damaged checkpoints are moved aside (newest first, see `quarantine`) and
+    Damaged checkpoints are moved to `damaged_directory` (newest first, see `quarantine`) and
     `on_error(CorruptCheckpointError)` is told about each, so training falls back to the
     previous good checkpoint, and later saves of those steps are not blocked by the wreck.
     """
@@ -186,6 +183,8 @@ class Checkpointer:
         state, data = self.restore(abstract_state, step)
         return state, data, step
       except CorruptCheckpointError as error:
+        if self.damaged_directory is None:
+          raise
         moved_to = self.quarantine(step)
         if on_error:
           on_error(CorruptCheckpointError(f'{error}; moved to {moved_to}'))
@@ -193,8 +192,10 @@ class Checkpointer:
 
   def quarantine(self, step: int) -> str:
     """Moves a damaged step out of the checkpoint directory, keeping it for inspection."""
+    if self.damaged_directory is None:
+      raise ValueError('this Checkpointer was given no damaged_directory to move steps to')
     self._manager.wait_until_finished()
-    destination = os.path.join(os.path.dirname(self.directory), 'damaged_checkpoints',
+    destination = os.path.join(self.damaged_directory,
                                f'{step}-{time.strftime("%Y%m%d-%H%M%S")}-{uuid.uuid4().hex[:6]}')
     os.makedirs(os.path.dirname(destination), exist_ok=True)
     if jax.process_index() == 0:
@@ -257,7 +258,10 @@ class Checkpointer:
     """
     step = self._resolve_step(step)
     item_dir = self._state_dir(step)
-    stored = _tree_metadata(item_dir)
+    try:
+      stored = _tree_metadata(item_dir)
+    except Exception as error:  # orbax/tensorstore raise many types; all mean "unreadable".
+      raise self._corrupt(step, error) from None
     if not isinstance(stored, dict) or 'params' not in stored:
       raise ValueError(f'{item_dir}: the saved state has no params field')
     target = {'params': jax.tree.map(
@@ -265,9 +269,15 @@ class Checkpointer:
         stored['params'])}
     restore_args = jax.tree.map(
         lambda _: ocp.RestoreArgs(restore_type=np.ndarray), target)
-    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as reader:
-      restored = reader.restore(item_dir, args=ocp.args.PyTreeRestore(
-          item=target, restore_args=restore_args, partial_restore=True))
+    try:
+      with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as reader:
+        restored = reader.restore(item_dir, args=ocp.args.PyTreeRestore(
+            item=target, restore_args=restore_args, partial_restore=True))
+    except Exception as error:  # orbax/tensorstore raise many types; all mean "unreadable".
+      raise self._corrupt(step, error) from None
+    step_dir = os.path.join(self.directory, str(step))
+    _verify_leaves(f'checkpoint step {step} at {step_dir}', restored['params'],
+                   _step_checksums(step_dir), prefix='params/')
     return restored['params']
 
   def _state_dir(self, step: int) -> epath.Path:
@@ -304,6 +314,44 @@ def _tree_metadata(item_dir: Any) -> Any:
   return getattr(metadata, 'tree', metadata)
 
 
+def _verify_leaves(where: str, tree: Any, expected: dict | None, prefix: str = '') -> None:
+  """CorruptCheckpointError if a leaf of `tree` differs from its checksum in `expected`.
+
+  `where` starts the message ('params checkpoint at DIR', 'checkpoint step N at DIR/N');
+  `prefix` is prepended to each leaf's path before looking it up (step checkpoints record the
+  whole state, so their params are under 'params/'). Leaves without a recorded checksum are
+  skipped, as is everything when `expected` is None: written before checksums existed.
+  """
+  if expected is None:
+    return
+  for name, value in checksums(tree).items():
+    name = prefix + name
+    if name in expected and expected[name] != value:
+      raise CorruptCheckpointError(
+          f'{where} is damaged: {name} does not match the checksum written with it')
+
+
+def _unreadable(where: str, error: Exception) -> CorruptCheckpointError:
+  """One-line CorruptCheckpointError for a checkpoint orbax/tensorstore could not read."""
+  # Same wording as Checkpointer._corrupt; tensorstore messages run to many lines of JSON spec.
+  first_line = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+  return CorruptCheckpointError(
+      f'{where} is damaged or incomplete ({type(error).__name__}: {first_line})')
+
+
+def _step_checksums(step_dir: str) -> dict | None:
+  """The checksums save() recorded in a step's 'data' item, or None for an older step."""
+  data_file = os.path.join(step_dir, _DATA, 'metadata')
+  if not os.path.exists(data_file):
+    return None
+  try:
+    with open(data_file) as f:
+      return json.load(f).get(_CHECKSUMS)
+  except (OSError, ValueError, AttributeError) as error:  # AttributeError: JSON not a dict
+    raise _unreadable(f'checkpoint step {os.path.basename(step_dir)} at {step_dir}',
+                      error) from None
+
+
 def _leaves_by_name(tree: Any) -> dict[str, Any]:
   flat, _ = jax.tree_util.tree_flatten_with_path(tree)
   return {jax.tree_util.keystr(path, simple=True, separator='/'): leaf
@@ -333,6 +381,12 @@ def _check_matches(directory: str, stored: Any, target: Any) -> None:
                          f'model: {"; ".join(problems)}')
 
 
+# Reserved key in metadata.json under which save_params records a checksum of every params
+# leaf: as in step checkpoints, a flipped byte in an array file can restore silently with
+# wrong values (orbax 0.12.8), so restore_params_from verifies these. read_metadata hides it.
+_PARAMS_CHECKSUMS = '_checksums'
+
+
 def is_params_checkpoint(directory: str) -> bool:
   """Whether `directory` holds a complete params-only checkpoint."""
   directory = os.path.abspath(os.fspath(directory))
@@ -350,7 +404,9 @@ def _require_params_checkpoint(directory: str) -> str:
 def save_params(directory: str, params: Any, metadata: dict | None = None) -> str:
   """Writes `params` plus a JSON `metadata` dict as a params-only checkpoint.
 
-  `params` is a pytree of NumPy or jax arrays. An existing checkpoint at
+  `params` is a pytree of NumPy or jax arrays; the checksum of each (as stored, in
+  its own dtype) goes into metadata.json, under a key `metadata` may not use, for
+  restore_params_from to verify. An existing checkpoint at
   `directory` is replaced. Everything is first written to a hidden sibling
   folder (`.NAME.tmp-*`); orbax commits the params inside it, metadata.json is
   written (and fsynced) last, and only then is the folder renamed to
@@ -363,14 +419,18 @@ def save_params(directory: str, params: Any, metadata: dict | None = None) -> st
     raise RuntimeError('save_params writes from one process; run it in a '
                        'single-process job')
   directory = os.path.abspath(os.fspath(directory))
-  # Serialise first: a metadata dict that is not JSON fails before any I/O.
-  metadata_text = json.dumps(dict(metadata or {}), indent=2, sort_keys=True)
-  # Likewise a leaf that is not an array: orbax would fail on it from a
-  # background thread, after it had started creating files.
+  metadata = dict(metadata or {})
+  if _PARAMS_CHECKSUMS in metadata:
+    raise ValueError(f'save_params: metadata key {_PARAMS_CHECKSUMS!r} is reserved')
+  # A leaf that is not an array fails before any I/O: orbax would fail on it
+  # from a background thread, after it had started creating files.
   for path, leaf in jax.tree_util.tree_leaves_with_path(params):
     if not isinstance(leaf, (np.ndarray, np.generic, jax.Array)):
       raise TypeError(f'save_params: leaf {jax.tree_util.keystr(path)} is a '
                       f'{type(leaf).__name__}, not an array')
+  # Likewise serialise first, so a metadata dict that is not JSON fails before any I/O.
+  metadata_text = json.dumps(dict(metadata, **{_PARAMS_CHECKSUMS: checksums(params)}),
+                             indent=2, sort_keys=True)
   parent, name = os.path.split(directory)
   os.makedirs(parent, exist_ok=True)
   for entry in os.listdir(parent):  # leftovers of earlier interrupted saves
@@ -414,11 +474,25 @@ def save_params(directory: str, params: Any, metadata: dict | None = None) -> st
   return directory
 
 
+def _read_metadata_file(directory: str) -> dict:
+  """metadata.json of the params checkpoint at absolute `directory`, reserved keys included."""
+  try:
+    with open(os.path.join(directory, _METADATA_FILE)) as f:
+      metadata = json.load(f)
+  except ValueError as error:  # bad JSON or bad UTF-8: the file was damaged after the save
+    raise _unreadable(f'params checkpoint at {directory}', error) from None
+  if not isinstance(metadata, dict):
+    raise CorruptCheckpointError(f'params checkpoint at {directory} is damaged: '
+                                 f'{_METADATA_FILE} holds a {type(metadata).__name__}, '
+                                 f'not a dict')
+  return metadata
+
+
 def read_metadata(directory: str) -> dict:
-  """The JSON metadata dict of the params-only checkpoint at `directory`."""
-  directory = _require_params_checkpoint(directory)
-  with open(os.path.join(directory, _METADATA_FILE)) as f:
-    return json.load(f)
+  """The metadata dict given to save_params for the params checkpoint at `directory`."""
+  metadata = _read_metadata_file(_require_params_checkpoint(directory))
+  metadata.pop(_PARAMS_CHECKSUMS, None)
+  return metadata
 
 
 def params_shapes(directory: str) -> Any:
@@ -435,10 +509,32 @@ def restore_params_from(directory: str, abstract_params: Any) -> Any:
   (as for Checkpointer.restore_params); arrays are read straight into those
   shardings and cast to the target dtypes. The tree structure and shapes must
   match the saved ones, else UserInputError (one line); no checkpoint at
-  `directory` -> FileNotFoundError.
+  `directory` -> FileNotFoundError. Every leaf is checked against the checksum
+  save_params recorded; a mismatch, or files orbax cannot read, raise
+  CorruptCheckpointError (one line, naming `directory`).
   """
   directory = _require_params_checkpoint(directory)
+  where = f'params checkpoint at {directory}'
   item_dir = os.path.join(directory, _PARAMS_ITEM)
-  _check_matches(directory, _tree_metadata(item_dir), abstract_params)
-  with ocp.StandardCheckpointer() as reader:
-    return reader.restore(item_dir, abstract_params)
+  expected = _read_metadata_file(directory).get(_PARAMS_CHECKSUMS)
+  try:
+    stored = _tree_metadata(item_dir)
+  except Exception as error:  # orbax/tensorstore raise many types; all mean "unreadable".
+    raise _unreadable(where, error) from None
+  _check_matches(directory, stored, abstract_params)  # outside the try: a UserInputError
+  # The checksums are of the arrays as saved, so read them in their stored dtype (into the
+  # target shardings), verify, and only then cast to the dtypes asked for.
+  stored_dtypes = {name: meta.dtype for name, meta in _leaves_by_name(stored).items()}
+  read_as = jax.tree_util.tree_map_with_path(
+      lambda path, leaf: jax.ShapeDtypeStruct(
+          leaf.shape, stored_dtypes[jax.tree_util.keystr(path, simple=True, separator='/')],
+          sharding=getattr(leaf, 'sharding', None)),
+      abstract_params)
+  try:
+    with ocp.StandardCheckpointer() as reader:
+      restored = reader.restore(item_dir, read_as)
+  except Exception as error:  # orbax/tensorstore raise many types; all mean "unreadable".
+    raise _unreadable(where, error) from None
+  _verify_leaves(where, restored, expected)
+  return jax.tree.map(lambda x, leaf: x if x.dtype == leaf.dtype else x.astype(leaf.dtype),
+                      restored, abstract_params)

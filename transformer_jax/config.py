@@ -11,19 +11,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-class UserInputError(ValueError):
-  """A problem with what the user gave (config, files, flags), reported as one line, no traceback."""
-
-
-def is_integer(value) -> bool:
-  """A Python int that is not a bool (True would pass as 1)."""
-  return isinstance(value, int) and not isinstance(value, bool)
-
-
-def is_number(value) -> bool:
-  """A Python int or float that is not a bool."""
-  return isinstance(value, (int, float)) and not isinstance(value, bool)
-
+from transformer_jax.errors import UserInputError, is_integer, is_number
 
 _ATTENTION_IMPLS = ('einsum', 'xla', 'cudnn')
 _DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16, 'float16': jnp.float16}
@@ -76,16 +64,16 @@ class TransformerConfig:
         raise UserInputError(f'TransformerConfig.{name} must be a positive integer, got {value!r}')
     for name in ('qk_dim', 'v_dim'):
       value = getattr(self, name)
-      if value is not None and (not isinstance(value, int) or value <= 0):
+      if value is not None and (not is_integer(value) or value <= 0):
         raise UserInputError(f'TransformerConfig.{name} must be a positive integer or None, '
-                         f'got {value!r}')
+                             f'got {value!r}')
     if (self.qk_dim is None or self.v_dim is None) and self.d_model % self.num_heads:
       raise UserInputError(
           f'TransformerConfig.d_model={self.d_model} is not divisible by '
           f'num_heads={self.num_heads}; set qk_dim and v_dim explicitly or change the sizes')
     for name in ('dropout_rate', 'attention_dropout_rate'):
       value = getattr(self, name)
-      if not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+      if not is_number(value) or not 0.0 <= value < 1.0:
         raise UserInputError(f'TransformerConfig.{name} must be in [0, 1), got {value!r}')
     if not is_number(self.layer_norm_epsilon) or self.layer_norm_epsilon <= 0:
       raise UserInputError('TransformerConfig.layer_norm_epsilon must be a positive number, '
@@ -102,7 +90,7 @@ class TransformerConfig:
                            'float16, got float32')
     if self.dtype not in _DTYPES:
       raise UserInputError(f'TransformerConfig.dtype must be one of {sorted(_DTYPES)}, '
-                       f'got {self.dtype!r}')
+                           f'got {self.dtype!r}')
 
   @property
   def head_qk_dim(self) -> int:

@@ -4,13 +4,12 @@ XLA's CPU backend allocates every step's temporaries (activations kept for the b
 the [tokens, vocab] logits and their gradient: gigabytes for the paper's base model) with
 malloc and frees them when the step ends. glibc serves blocks over 32 MB with a fresh mmap and
 unmaps them on free, and trims the heap top back to the kernel, so every step touches its
-temporaries as new pages: about a million page faults per base-model step, 7 s of its ~20 s
-spent in the kernel on the 2-core benchmark machine. `reuse_freed_memory` tells glibc to keep
-one heap for all threads, never to use mmap for large blocks and never to trim, so from the
-second step on the same pages are reused and no page faults remain (bench/README.md,
-"Optimisations tried": base steps 1.33x faster). The costs: the process keeps its peak heap until
-it exits, and fragmentation makes that larger than one step needs (base: 6-15 GB RSS instead of
-5.7 GB); and XLA's compiler threads share the one arena, so compiling is ~1.3-1.8x slower.
+temporaries as new pages, and the page faults take a large share of the step in the kernel.
+`reuse_freed_memory` tells glibc to keep one heap for all threads, never to use mmap for large
+blocks and never to trim, so from the second step on the same pages are reused and no page
+faults remain. The costs: the process keeps its peak heap until it exits, and fragmentation
+makes that larger than one step needs; and XLA's compiler threads share the one arena, so
+compiling is slower. The figures are in bench/README.md, "Optimisations tried".
 
 It acts through `mallopt`, so only with glibc (Linux), and it must run before JAX starts its
 threads (i.e. before the first JAX computation or device query) to cover them: the entry points

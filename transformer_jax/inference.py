@@ -1,14 +1,33 @@
-"""Binds the model to the model-agnostic search in `decode.py`: source ids -> output ids."""
+"""Inference with a trained model: source ids -> output ids, and text -> text.
+
+`greedy_decode` / `beam_decode` bind the model to the model-agnostic search in `decode.py`.
+`Translator` restores a workdir's config, vocabulary and parameters (`from_checkpoint`) and
+translates lists of sentences; `Translator.attention` returns its attention maps;
+`translate_text` is the `translate` command's work (lines in, one translation per line out).
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import sys
+from typing import IO, Sequence
+
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
+from absl import logging
 
-from transformer_jax import decode
+from transformer_jax import decode, text_io
+from transformer_jax.checkpointing import (Checkpointer, is_params_checkpoint, read_metadata,
+                                           restore_params_from)
+from transformer_jax.config import TransformerConfig
+from transformer_jax.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
+from transformer_jax.decode import strip_after_eos
+from transformer_jax.errors import UserInputError, is_integer, is_number
 from transformer_jax.models import Transformer
-from transformer_jax.tokenizer import BOS_ID, EOS_ID, PAD_ID
-
+from transformer_jax.workdir import Workdir
 
 def init_cache(model: Transformer, params, encoded: jax.Array, src_ids: jax.Array,
                max_decode_len: int):
@@ -85,3 +104,232 @@ def beam_decode(model: Transformer, params, src_ids: jax.Array, *, beam_size: in
                        method=Transformer.decode)
 
   return decode.beam_search_uncached(logits_fn, **common)
+
+
+_MIN_BUCKET = 8
+# Extra target positions beyond the source length that decoding may use.
+_EXTRA_DECODE_LENGTH = 50
+
+
+def _bucket(length: int, limit: int) -> int:
+  """Smallest power of two >= length (at least 8, at most limit): few shapes, few compiles."""
+  bucket = _MIN_BUCKET
+  while bucket < length:
+    bucket *= 2
+  return min(bucket, limit)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionMaps:
+  """Attention weights of one sentence pair, per layer and head (rows: queries, sum to 1).
+
+  Tokens are SentencePiece pieces; each side ends with '</s>'. The decoder's query at target
+  position i reads target pieces 0..i-1 (and BOS) and predicts target piece i.
+  """
+  source_tokens: list[str]
+  target_tokens: list[str]
+  encoder_self: np.ndarray  # [layers, heads, source, source]
+  decoder_self: np.ndarray  # [layers, heads, target, target]
+  cross: np.ndarray  # [layers, heads, target, source]
+
+
+def check_decoding_options(beam_size: int = 4, alpha: float = 0.6, batch_size: int = 64) -> None:
+  """One-line errors for impossible decoding settings, raised before any checkpoint is read."""
+  if not is_integer(beam_size) or beam_size < 1:
+    raise UserInputError(f'beam_size must be a positive integer, got {beam_size!r}')
+  if not is_number(alpha) or not alpha >= 0:
+    raise UserInputError(f'alpha must be a number >= 0, got {alpha!r}')
+  if not is_integer(batch_size) or batch_size < 1:
+    raise UserInputError(f'batch_size must be a positive integer, got {batch_size!r}')
+
+
+class Translator:
+  """Translation with a restored model: `.translate(list_of_str) -> list_of_str` (beam search,
+  or greedy with beam_size=1)."""
+
+  def __init__(self, model_config: TransformerConfig, params, tokenizer: Tokenizer,
+               batch_size: int = 64):
+    check_decoding_options(batch_size=batch_size)
+    self.model_config = model_config
+    self.model = Transformer(model_config)
+    self.params = params
+    self.tokenizer = tokenizer
+    self.batch_size = batch_size
+    self._greedy = jax.jit(
+        lambda params, src, max_decode_len: greedy_decode(
+            self.model, params, src, max_decode_len=max_decode_len),
+        static_argnums=(2,))
+    self._beam = jax.jit(
+        lambda params, src, max_lengths, beam_size, alpha, max_decode_len: beam_decode(
+            self.model, params, src, beam_size=beam_size, alpha=alpha,
+            max_decode_len=max_decode_len, max_lengths=max_lengths)[0][:, 0],
+        static_argnums=(3, 4, 5))
+
+  @classmethod
+  def from_checkpoint(cls, workdir: str, checkpoint: int | str | None = None,
+                      batch_size: int = 64) -> 'Translator':
+    """Loads the config, vocabulary and parameters of a workdir.
+
+    checkpoint: a step number, 'averaged' (written by `python -m transformer_jax.average`),
+    'latest', or None: the averaged checkpoint if it was made from the latest training
+    checkpoint, else the latest training checkpoint.
+    """
+    check_decoding_options(batch_size=batch_size)
+    workdir = Workdir(workdir)
+    saved = workdir.read_run_config()
+    if not isinstance(saved.get('model'), dict):
+      raise UserInputError(f'{workdir.config_file}: has no "model" section')
+    model_config = TransformerConfig.from_dict(saved['model'])
+    if model_config.attention_impl == 'cudnn' and jax.default_backend() != 'gpu':
+      # Trained with the GPU kernel: the same parameters translate anywhere through XLA's.
+      model_config = model_config.replace(attention_impl='xla')
+    tokenizer = Tokenizer.load(workdir.vocab_file)
+    if tokenizer.vocab_size != model_config.vocab_size:
+      raise UserInputError(f'{tokenizer.path}: vocabulary has {tokenizer.vocab_size} pieces but '
+                           f'the model in {workdir.config_file} expects {model_config.vocab_size}')
+    model = Transformer(model_config)
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    dummy = jnp.ones((1, 1), jnp.int32)
+    abstract = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), dummy, dummy))
+    abstract_params = jax.tree_util.tree_map(
+        lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=device),
+        nn.meta.unbox(abstract['params']))
+    params = _restore(workdir, checkpoint, abstract_params)
+    return cls(model_config, params, tokenizer, batch_size)
+
+  def translate(self, sentences: Sequence[str], beam_size: int = 4,
+                alpha: float = 0.6) -> list[str]:
+    """One translation per input sentence, in order. Empty input gives empty output.
+
+    beam_size 1 is greedy decoding; otherwise beam search with the GNMT length penalty
+    ((5 + len) / 6)^alpha (the paper: beam 4, alpha 0.6). Outputs are at most the source length
+    + 50 tokens and at most the model's max_len, EOS counted on both sides. Sentences are sorted by length into batches and
+    returned in the original order.
+    """
+    if isinstance(sentences, (str, bytes)):
+      # A str is a sequence too: it would be translated character by character.
+      raise TypeError('Translator.translate takes a list of sentences, got a single '
+                      f'{type(sentences).__name__}; pass [sentence]')
+    check_decoding_options(beam_size, alpha)  # batch_size was checked in __init__.
+    max_len = self.model_config.max_len
+    encoded: list[list[int] | None] = []
+    for index, sentence in enumerate(sentences):
+      if not sentence.strip():
+        encoded.append(None)
+        continue
+      ids = self.tokenizer.encode(sentence)
+      if len(ids) + 1 > max_len:
+        logging.warning('sentence %d has %d tokens; truncated to the model maximum %d',
+                        index, len(ids) + 1, max_len)
+        ids = ids[:max_len - 1]
+      encoded.append(ids + [EOS_ID])
+    outputs = [''] * len(sentences)
+    # Sorting by length keeps padding (and the number of distinct shapes) small.
+    order = sorted((i for i, ids in enumerate(encoded) if ids is not None),
+                   key=lambda i: len(encoded[i]))
+    for start in range(0, len(order), self.batch_size):
+      rows = order[start:start + self.batch_size]
+      source_length = _bucket(max(len(encoded[i]) for i in rows), max_len)
+      src = np.full((self.batch_size, source_length), PAD_ID, np.int32)
+      max_lengths = np.ones((self.batch_size,), np.int32)
+      for row, index in enumerate(rows):
+        src[row, :len(encoded[index])] = encoded[index]
+        max_lengths[row] = len(encoded[index]) + _EXTRA_DECODE_LENGTH
+      max_decode_len = min(max_len, source_length + _EXTRA_DECODE_LENGTH)
+      max_lengths = np.minimum(max_lengths, max_decode_len)
+      if beam_size == 1:
+        tokens = self._greedy(self.params, src, max_decode_len)
+      else:
+        tokens = self._beam(self.params, src, max_lengths, beam_size, float(alpha),
+                            max_decode_len)
+      outputs_ids = strip_after_eos(np.asarray(tokens), EOS_ID, pad_id=PAD_ID)
+      for row, (index, ids) in enumerate(zip(rows, outputs_ids)):
+        # Greedy search runs to the batch's longest cap; each output keeps its own (the
+        # cap counts the EOS, as beam search's does).
+        outputs[index] = self.tokenizer.decode(ids[:max_lengths[row] - 1])
+    return outputs
+
+  def attention(self, source: str, target: str | None = None, beam_size: int = 4,
+                alpha: float = 0.6) -> AttentionMaps:
+    """The model's attention weights for `source` and its translation `target`.
+
+    Without `target` the sentence is translated first (beam search, as `translate`), so the
+    maps show what the model attended to while producing its own output.
+    """
+    if target is None:
+      target = self.translate([source], beam_size=beam_size, alpha=alpha)[0]
+    max_len = self.model_config.max_len
+    source_ids = (self.tokenizer.encode(source)[:max_len - 1]) + [EOS_ID]
+    target_ids = (self.tokenizer.encode(target)[:max_len - 1]) + [EOS_ID]
+    src = np.asarray([source_ids], np.int32)  # [1, s]
+    decoder_inputs = np.asarray([[BOS_ID] + target_ids[:-1]], np.int32)  # [1, t]
+    _, state = self._attention_apply(self.params, src, decoder_inputs)
+    weights = state['intermediates']
+
+    def layers_heads(module: str, name: str) -> np.ndarray:
+      # Sown once per scanned call: [layers, batch=1, heads, queries, keys] -> drop the batch.
+      (sown,) = weights[module][name]['attention_weights']
+      return np.asarray(sown, np.float32)[:, 0]
+
+    return AttentionMaps(
+        source_tokens=self.tokenizer.pieces(source_ids[:-1]) + ['</s>'],
+        target_tokens=self.tokenizer.pieces(target_ids[:-1]) + ['</s>'],
+        encoder_self=layers_heads('encoder_layers', 'self_attention'),
+        decoder_self=layers_heads('decoder_layers', 'self_attention'),
+        cross=layers_heads('decoder_layers', 'cross_attention'))
+
+  @functools.cached_property
+  def _attention_apply(self):
+    return jax.jit(lambda params, src, tgt_in: self.model.apply(
+        {'params': params}, src, tgt_in, mutable=['intermediates']))
+
+
+def _restore(workdir: Workdir, checkpoint: int | str | None, abstract_params):
+  averaged = workdir.averaged
+  with Checkpointer(workdir.checkpoints, keep=None, async_save=False) as checkpointer:
+    if checkpoint == 'averaged' or (checkpoint is None and is_params_checkpoint(averaged)):
+      if not is_params_checkpoint(averaged):
+        raise FileNotFoundError(f'no averaged checkpoint in {averaged}: run '
+                                f'`python -m transformer_jax.average --workdir={workdir.path}`')
+      made_from = read_metadata(averaged).get('latest_step')
+      latest = checkpointer.latest_step()
+      if checkpoint == 'averaged' or made_from == latest:
+        logging.info('loading the average of checkpoints %s from %s',
+                     read_metadata(averaged).get('averaged_steps'), averaged)
+        return restore_params_from(averaged, abstract_params)
+      logging.warning('%s was made up to step %s but the latest checkpoint is %s; loading the '
+                      'latest (rerun transformer_jax.average to refresh it)', averaged,
+                      made_from, latest)
+    step = None if checkpoint in (None, 'latest') else int(checkpoint)
+    return checkpointer.restore_params(abstract_params, step)
+
+
+def translate_text(workdir: str, *, checkpoint: int | str | None = None, batch_size: int = 64,
+                   beam_size: int = 4, alpha: float = 0.6, input_path: str | None = None,
+                   output_path: str | None = None, stdin: IO[bytes] | None = None,
+                   stdout: IO[str] | None = None) -> None:
+  """The `translate` command: one translation per input line, in order (empty in, empty out).
+
+  Reads `input_path` (or stdin) and writes `output_path` (or stdout). When stdin is a
+  terminal, translates each line as soon as it is typed. Bytes that are not UTF-8 become
+  U+FFFD instead of ending the run.
+  """
+  stdin = stdin or sys.stdin.buffer
+  stdout = stdout or sys.stdout
+  check_decoding_options(beam_size, alpha, batch_size)
+  if input_path is not None:
+    text_io.check_readable_file(input_path, '--input')
+  translator = Translator.from_checkpoint(workdir, checkpoint, batch_size)
+  if input_path is None and stdin.isatty():
+    print('Type a sentence and press Enter (Ctrl-D to quit).', file=sys.stderr)
+    for raw in stdin:
+      (translation,) = translator.translate([text_io.decode_line(raw)], beam_size, alpha)
+      print(translation, file=stdout, flush=True)
+    return
+  if input_path is not None:
+    with open(input_path, 'rb') as f:
+      lines = [text_io.decode_line(raw) for raw in f]
+  else:
+    lines = [text_io.decode_line(raw) for raw in stdin]
+  translations = translator.translate(lines, beam_size=beam_size, alpha=alpha)
+  text_io.write_lines(translations, output_path, stdout)

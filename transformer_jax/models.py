@@ -69,11 +69,11 @@ def _matmul_row_major_grads(x, kernel):
   """x @ kernel ([n, i] @ [i, o] -> [n, o]) whose kernel gradient is a plain row-major product.
 
   Autodiff's kernel gradient x^T @ dy contracts the leading (token) axis of both operands.
-  XLA:CPU hands such a transposed-operand product to Eigen at ~55-70% of the peak, while its
-  YNNPACK kernels take only products whose left operand contracts its minor axis. Transposing
-  the smaller operand explicitly (optimisation barriers stop XLA from folding the transpose
-  back into the dot) costs one memory pass; base training steps measured 1.02-1.08x faster
-  (bench/README.md, "Optimisations tried"). The forward and the input gradient are already in
+  XLA:CPU hands such a transposed-operand product to a slower Eigen kernel, while its YNNPACK
+  kernels take only products whose left operand contracts its minor axis. Transposing the
+  smaller operand explicitly (optimisation barriers stop XLA from folding the transpose back
+  into the dot) costs one memory pass and makes training steps faster (measured in
+  bench/README.md, "Optimisations tried"). The forward and the input gradient are already in
   the fast form.
   """
   return x @ kernel
@@ -105,11 +105,18 @@ def _contract(x, kernel, num_in_axes: int):
                                           tuple(range(num_in_axes))), ((), ())))
 
 
+def row_major_kernel_grads() -> bool:
+  """The switch for `_matmul_row_major_grads`: on for XLA:CPU only.
+
+  GPU/TPU matmul units read transposed operands natively; an explicit transpose would only add
+  a memory pass and block fusion. Read at trace time (tests and bench/levers.py patch it).
+  """
+  return jax.default_backend() == 'cpu'
+
+
 def _project(x, kernel, num_in_axes: int):
-  """`_contract`, with row-major kernel gradients on CPU."""
-  if jax.default_backend() != 'cpu':
-    # GPU/TPU matmul units read transposed operands natively; an explicit transpose would only
-    # add a memory pass and block fusion.
+  """`_contract`, with row-major kernel gradients where `row_major_kernel_grads()`."""
+  if not row_major_kernel_grads():
     return _contract(x, kernel, num_in_axes)
   batch_shape = x.shape[:x.ndim - num_in_axes]
   in_size = math.prod(kernel.shape[:num_in_axes])

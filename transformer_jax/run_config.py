@@ -1,86 +1,34 @@
-"""The training config as a run sees it: read from the command line, checked once at start,
-saved in the workdir.
+"""The training config as a run sees it: every check made once, before any work; saved in the
+workdir; compared on resume.
 
-`define_config_flag`, `parse_flags` and `loaded_config` give the entry points `--config=FILE`
-and `--config.field=value` with one-line errors; `validate_run_config` turns impossible values
-into one-line `UserInputError`s naming the field before anything is prepared or compiled;
-`save_run_config` writes `<workdir>/config.json` (all that inference needs besides the
-vocabulary and checkpoints) and, on resume, refuses changes to the fields the saved parameters
-and data order depend on.
+`validate_run_config` is the one place a run config is checked — data, vocabulary, model fields
+(by building the `TransformerConfig`), batching, optimiser, loop, mesh, sharding rules and what
+the devices can run — so an impossible value is a one-line `UserInputError` naming the field
+before any dataset is prepared, vocabulary trained or step compiled. `save_run_config` writes
+`config.json` (all that inference needs besides the vocabulary and checkpoints) and, on resume,
+refuses changes to the fields the saved parameters and data order depend on.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import sys
 
 import jax
 import ml_collections
-from absl import app
-from ml_collections import config_flags
 
-from transformer_jax.config import TransformerConfig, UserInputError, is_number
+from transformer_jax import sharding
+from transformer_jax.config import TransformerConfig
+from transformer_jax.errors import (UserInputError, check_fraction,
+                                    check_integer_at_least, check_number_at_least,
+                                    check_positive_integer)
+from transformer_jax.workdir import Workdir
 
-CONFIG_FILE = 'config.json'
-
-# What ml_collections raises for a bad `--config.field=value` (a misspelt field, a value of the
-# wrong type) and, deferred to the first access of the flag, for a config file it cannot load.
-_CONFIG_FLAG_ERRORS = (AttributeError, KeyError, TypeError, ValueError, OSError, SyntaxError)
-
-
-def define_config_flag(default: str, help_text: str, lock_config: bool = True) -> None:
-  """`--config=FILE` (`get_config()` returning a ConfigDict) with `--config.field=value`.
-
-  ml_collections applies the overrides as soon as a file is loaded (the default file: while
-  the flag is defined) and reports a misspelt field or a missing file as a traceback; these
-  helpers make them one line and exit status 2. Entry points then call
-  `app.run(main, flags_parser=parse_flags)` and read the config with `loaded_config()`.
-  """
-  try:
-    config_flags.DEFINE_config_file('config', default, help_text, lock_config=lock_config)
-  except _CONFIG_FLAG_ERRORS as error:
-    _exit_with_config_error(error)
+BATCHING_MODES = ('fixed', 'tokens', 'packed')
 
 
-def parse_flags(argv: list[str]) -> list[str]:
-  """absl's flag parsing, with the config errors above as one line (for `app.run`)."""
-  try:
-    return app.parse_flags_with_usage(argv)
-  except _CONFIG_FLAG_ERRORS as error:
-    _exit_with_config_error(error)
-
-
-def loaded_config(flag_values) -> ml_collections.ConfigDict:
-  """The `--config` flag's ConfigDict, or a one-line error if its file did not load."""
-  try:
-    config = flag_values.config
-    config.keys()  # A file that did not load is a stand-in that raises on first use.
-    return config
-  except _CONFIG_FLAG_ERRORS as error:
-    _exit_with_config_error(error)
-
-
-def config_flag_message(error: BaseException) -> str:
-  """One line for ml_collections' multi-line config-flag errors."""
-  if isinstance(error, SyntaxError):
-    return f'--config: {error}'  # Names the file and line.
-  while error.args and isinstance(error.args[0], BaseException):
-    error = error.args[0]  # AttributeError(KeyError("'name'\nDid you mean ...?"))
-  text = error.args[0] if error.args and isinstance(error.args[0], str) else str(error)
-  lines = [line.strip() for line in text.splitlines() if line.strip()] or [repr(error)]
-  if isinstance(error, KeyError):
-    hint = f' ({lines[1]})' if len(lines) > 1 else ''
-    return f'--config.*: the config has no field {lines[0]}{hint}'
-  if isinstance(error, OSError):
-    # "Failed loading config file ...", "Attempted [...]:", the path, then the cause.
-    return f'--config: {lines[-1]}'
-  return f'--config: {" ".join(lines)}'
-
-
-def _exit_with_config_error(error: BaseException):
-  print(f'error: {config_flag_message(error)}', file=sys.stderr)
-  sys.exit(2)
+def model_config_from(config: ml_collections.ConfigDict, vocab_size: int) -> TransformerConfig:
+  """The frozen model config of a run config, for a vocabulary of `vocab_size` pieces."""
+  return TransformerConfig.from_dict({'vocab_size': vocab_size, **config.model.to_dict()})
 
 
 # Config fields that decide what the parameters and the data order mean: a resumed run must
@@ -100,16 +48,12 @@ def _resume_fields(config_dict: dict, model: dict) -> dict:
 
 
 def save_run_config(config: ml_collections.ConfigDict, model_config: TransformerConfig,
-                    workdir: str) -> None:
+                    workdir: Workdir) -> None:
   """Writes the resolved config; on resume, refuses changes to fields the run depends on."""
-  path = os.path.join(workdir, CONFIG_FILE)
+  path = workdir.config_file
   resolved = {'config': json.loads(config.to_json()), 'model': model_config.to_dict()}
-  if os.path.exists(path):
-    try:
-      with open(path) as f:
-        saved = json.load(f)
-    except json.JSONDecodeError as error:
-      raise UserInputError(f'{path}: not valid JSON ({error})') from None
+  saved = workdir.read_run_config_if_present()
+  if saved is not None:
     before = _resume_fields(saved.get('config', {}), saved.get('model', {}))
     after = _resume_fields(resolved['config'], resolved['model'])
     differing = [k for k in after if before.get(k) != after[k]]
@@ -118,42 +62,43 @@ def save_run_config(config: ml_collections.ConfigDict, model_config: Transformer
       raise UserInputError(f'{path}: resuming with changed fields ({details}); use a new '
                            '--workdir or the original settings')
   if jax.process_index() == 0:
-    tmp = path + '.tmp'
-    with open(tmp, 'w') as f:
-      json.dump(resolved, f, indent=2, sort_keys=True)
-    os.replace(tmp, path)
+    workdir.write_run_config(resolved)
 
 
 def validate_run_config(config: ml_collections.ConfigDict) -> None:
-  for name in ('per_device_batch_size', 'num_train_steps', 'log_every_steps',
-               'eval_every_steps', 'checkpoint_every_steps', 'keep_checkpoints',
-               'max_source_length', 'max_target_length', 'vocab_size', 'eval_batch_size',
-               'warmup_steps', 'grad_accum_steps'):
-    value = config[name]
-    if not isinstance(value, int) or value <= 0:
-      raise UserInputError(f'config.{name} must be a positive integer, got {value!r}')
-  if (not isinstance(config.max_consecutive_nonfinite_steps, int)
-      or config.max_consecutive_nonfinite_steps < 1):
-    raise UserInputError('config.max_consecutive_nonfinite_steps must be a positive integer, '
-                         f'got {config.max_consecutive_nonfinite_steps!r}')
-  if not 0.0 <= config.label_smoothing < 1.0:
-    raise UserInputError(f'config.label_smoothing must be in [0, 1), got {config.label_smoothing}')
-  if config.batching != 'fixed' and (not isinstance(config.tokens_per_batch, int)
-                                     or config.tokens_per_batch <= 0):
-    raise UserInputError(f'config.tokens_per_batch must be a positive integer, '
-                         f'got {config.tokens_per_batch!r}')
-  if not isinstance(config.eval_decode_examples, int) or config.eval_decode_examples < 0:
-    raise UserInputError('config.eval_decode_examples must be an integer >= 0, '
-                         f'got {config.eval_decode_examples!r}')
-  if not is_number(config.learning_rate_scale) or config.learning_rate_scale <= 0:
-    raise UserInputError(f'config.learning_rate_scale must be a positive number, '
-                         f'got {config.learning_rate_scale!r}')
-  for name in ('adam_b1', 'adam_b2'):
-    if not is_number(config[name]) or not 0.0 <= config[name] < 1.0:
-      raise UserInputError(f'config.{name} must be in [0, 1), got {config[name]!r}')
-  for name in ('adam_eps', 'grad_clip_norm'):
-    if not is_number(config[name]) or config[name] < 0:
-      raise UserInputError(f'config.{name} must be a number >= 0, got {config[name]!r}')
+  """Every check of a run config; raises a one-line UserInputError naming the first bad field.
+
+  Cheap and free of data work: it may query the devices (mesh, cuDNN), nothing else.
+  """
+  _validate_data(config)
+  _validate_model(config)
+  _validate_batching(config)
+  _validate_optimiser(config)
+  _validate_loop(config)
+  _validate_devices(config)
+
+
+def _validate_data(config) -> None:
+  for name in ('max_source_length', 'max_target_length', 'vocab_size', 'vocab_max_examples'):
+    check_positive_integer(f'config.{name}', config[name])
+  if config.dataset == 'text' and not config.data.dir:
+    raise UserInputError('config.dataset=text needs config.data.dir: the directory holding '
+                         f'train.{config.data.src_lang} and train.{config.data.tgt_lang}')
+  if str(config.data_dir).startswith('gs://'):
+    # Without this, riegeli fails deep inside the first read with "open() failed".
+    raise UserInputError(f'config.data_dir={config.data_dir!r}: array_record cannot read from '
+                         'gs:// (google/array_record#120); copy the prepared dataset to local '
+                         'disk (`gcloud storage cp -r`) or mount the bucket with gcsfuse')
+
+
+def _validate_model(config) -> None:
+  try:
+    model_config_from(config, config.vocab_size)
+  except UserInputError as error:
+    # Name the field as the user sets it (--config.model.d_ff), not the dataclass's.
+    raise UserInputError(str(error).replace('TransformerConfig.', 'config.model.')) from None
+  except TypeError as error:  # A field TransformerConfig does not have.
+    raise UserInputError(f'config.model: {error}') from None
   # Sequences are padded or bucketed up to these lengths; the model rejects longer ones only
   # once the step is traced, as a traceback.
   longest = max(config.max_source_length, config.max_target_length)
@@ -162,3 +107,54 @@ def validate_run_config(config: ml_collections.ConfigDict) -> None:
         f'config.model.max_len={config.model.max_len} is shorter than max_source_length='
         f'{config.max_source_length} / max_target_length={config.max_target_length}; '
         f'set it to at least {longest}')
+
+
+def _validate_batching(config) -> None:
+  if config.batching not in BATCHING_MODES:
+    raise UserInputError("config.batching must be 'fixed', 'tokens' or 'packed', got "
+                         f'{config.batching!r}')
+  check_positive_integer('config.per_device_batch_size', config.per_device_batch_size)
+  if config.batching != 'fixed':
+    check_positive_integer('config.tokens_per_batch', config.tokens_per_batch)
+  check_positive_integer('config.grad_accum_steps', config.grad_accum_steps)
+  check_positive_integer('config.eval_batch_size', config.eval_batch_size)
+
+
+def _validate_optimiser(config) -> None:
+  check_positive_integer('config.warmup_steps', config.warmup_steps)
+  check_number_at_least('config.learning_rate_scale', config.learning_rate_scale, 0, strict=True)
+  for name in ('adam_b1', 'adam_b2'):
+    check_fraction(f'config.{name}', config[name])
+  for name in ('adam_eps', 'grad_clip_norm'):
+    check_number_at_least(f'config.{name}', config[name], 0)
+  check_fraction('config.label_smoothing', config.label_smoothing)
+
+
+def _validate_loop(config) -> None:
+  for name in ('num_train_steps', 'log_every_steps', 'eval_every_steps', 'checkpoint_every_steps',
+               'keep_checkpoints', 'max_consecutive_nonfinite_steps'):
+    check_positive_integer(f'config.{name}', config[name])
+  check_integer_at_least('config.eval_decode_examples', config.eval_decode_examples, 0)
+
+
+def _validate_devices(config) -> None:
+  """The mesh fits the devices, the rules name its axes, the kernels exist here."""
+  try:
+    mesh = sharding.create_mesh(tuple(config.mesh_shape))
+  except (ValueError, TypeError) as error:
+    raise UserInputError(f'config.mesh_shape: {error}') from None
+  try:
+    rules = sharding.normalize_rules(config.logical_axis_rules)
+  except (ValueError, TypeError) as error:
+    raise UserInputError(f'config.logical_axis_rules: {error}') from None
+  for logical_name, mesh_axes in rules:
+    for axis in mesh_axes if isinstance(mesh_axes, tuple) else (mesh_axes,):
+      if axis is not None and axis not in mesh.axis_names:
+        raise UserInputError(f'config.logical_axis_rules: {logical_name!r} -> {axis!r} names no '
+                             f'mesh axis (the mesh has {", ".join(mesh.axis_names)})')
+  if config.eval_batch_size % mesh.devices.size:
+    raise UserInputError(f'config.eval_batch_size={config.eval_batch_size} must be a multiple '
+                         f'of the {mesh.devices.size} devices')
+  if config.model.attention_impl == 'cudnn' and jax.default_backend() != 'gpu':
+    raise UserInputError("config.model.attention_impl='cudnn' needs an NVIDIA GPU; this "
+                         f"process runs on {jax.default_backend()}: use 'einsum' or 'xla'")

@@ -29,7 +29,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from transformer_jax.config import UserInputError
+from transformer_jax.errors import UserInputError
 from transformer_jax.metric_writers import log
 
 MESH_AXES = ('data', 'fsdp', 'tensor')
@@ -49,7 +49,8 @@ def create_mesh(mesh_shape: Sequence[int] = (-1, 1, 1), axis_names: Sequence[str
                      f'give one size per axis, e.g. {(-1,) + (1,) * (len(axis_names) - 1)}')
   if shape.count(-1) > 1:
     raise ValueError(f'mesh_shape {tuple(mesh_shape)} has more than one -1')
-  if any(s != -1 and (not isinstance(s, (int, np.integer)) or s < 1) for s in shape):
+  if any(s != -1 and (isinstance(s, bool) or not isinstance(s, (int, np.integer)) or s < 1)
+         for s in shape):
     raise ValueError(f'mesh_shape {tuple(mesh_shape)}: sizes must be positive integers or -1')
   known = int(np.prod([s for s in shape if s != -1]))
   if -1 in shape:

@@ -24,21 +24,19 @@ import optax
 from absl import logging
 from flax.training import train_state
 
-from transformer_jax import (batching, evaluate, host_memory, input_pipeline, inference,
-                            sharding)
-from transformer_jax.checkpointing import Checkpointer, CorruptCheckpointError
-from transformer_jax.config import TransformerConfig, UserInputError
+from transformer_jax import host_memory, inference, metrics, sharding
+from transformer_jax.checkpointing import Checkpointer
+from transformer_jax.config import TransformerConfig
+from transformer_jax.data import batching, input_pipeline
+from transformer_jax.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
 from transformer_jax.decode import strip_after_eos
+from transformer_jax.errors import CorruptCheckpointError, NonFiniteError
 from transformer_jax.losses import label_smoothed_cross_entropy
 from transformer_jax.metric_writers import MetricWriter, format_duration, log
 from transformer_jax.models import Transformer
 from transformer_jax.optim import make_optimizer
-from transformer_jax.run_config import save_run_config, validate_run_config
-from transformer_jax.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
-from transformer_jax.workdir_lock import WorkdirLock
-
-VOCAB_FILE = 'vocab.model'
-CHECKPOINT_DIR = 'checkpoints'
+from transformer_jax.run_config import model_config_from, save_run_config, validate_run_config
+from transformer_jax.workdir import Workdir
 
 
 class TrainState(train_state.TrainState):
@@ -47,14 +45,6 @@ class TrainState(train_state.TrainState):
   dropout_rng: jax.Array  # uint32[2]; step t uses fold_in(dropout_rng, t).
   skipped_steps: jax.Array  # int32: updates skipped because the loss or a gradient was NaN/Inf.
   nonfinite_streak: jax.Array  # int32: consecutive skipped updates ending at the last step.
-
-
-class NonFiniteError(RuntimeError):
-  """Too many consecutive steps with a NaN/Inf loss or gradient."""
-
-
-def model_config_from(config: ml_collections.ConfigDict, vocab_size: int) -> TransformerConfig:
-  return TransformerConfig.from_dict({'vocab_size': vocab_size, **config.model.to_dict()})
 
 
 def shift_right(targets: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
@@ -163,36 +153,26 @@ def eval_step(params, batch: dict, *, model: Transformer, label_smoothing: float
 
 
 class Trainer:
-  """Owns the mesh, the jitted steps and the state shardings for one model and config."""
+  """Owns the mesh, the jitted steps and the state shardings for one model and config.
+
+  The config is taken as valid (`run_config.validate_run_config`); a mesh or rule that does not
+  fit is a ValueError here.
+  """
 
   def __init__(self, config: ml_collections.ConfigDict, model_config: TransformerConfig,
                mesh: jax.sharding.Mesh | None = None):
-    if model_config.attention_impl == 'cudnn' and jax.default_backend() != 'gpu':
-      raise UserInputError("config.model.attention_impl='cudnn' needs an NVIDIA GPU; this "
-                           f"process runs on {jax.default_backend()}: use 'einsum' or 'xla'")
     self.config = config
     self.model_config = model_config
     self.model = Transformer(model_config)
-    if mesh is None:
-      try:
-        mesh = sharding.create_mesh(tuple(config.mesh_shape))
-      except ValueError as error:
-        raise UserInputError(f'config.mesh_shape: {error}') from None
-    self.mesh = mesh
-    try:
-      self.rules = sharding.normalize_rules(config.logical_axis_rules)
-    except ValueError as error:
-      raise UserInputError(f'config.logical_axis_rules: {error}') from None
+    self.mesh = mesh if mesh is not None else sharding.create_mesh(tuple(config.mesh_shape))
+    self.rules = sharding.normalize_rules(config.logical_axis_rules)
     self.optimizer, self.learning_rate_fn = make_optimizer(
         d_model=model_config.d_model, warmup_steps=config.warmup_steps,
         learning_rate_scale=config.learning_rate_scale, b1=config.adam_b1, b2=config.adam_b2,
         eps=config.adam_eps, grad_clip_norm=config.grad_clip_norm)
     self.batch_sharding = sharding.batch_sharding(self.mesh)
     abstract = jax.eval_shape(self._init_state, jax.random.PRNGKey(0))
-    try:
-      self.state_shardings = sharding.logical_shardings(abstract, self.mesh, self.rules)
-    except ValueError as error:  # E.g. a rule naming a mesh axis the mesh lacks.
-      raise UserInputError(f'config.logical_axis_rules: {error}') from None
+    self.state_shardings = sharding.logical_shardings(abstract, self.mesh, self.rules)
     self.abstract_state = jax.tree_util.tree_map(
         lambda leaf, s: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=s),
         nn.meta.unbox(abstract), self.state_shardings)
@@ -290,55 +270,11 @@ def decode_split(trainer: Trainer, params, source, tokenized: input_pipeline.Tok
   return sources, references, [tokenizer.decode(ids) for ids in outputs]
 
 
-def translation_metrics(references: list[str], hypotheses: list[str]) -> dict[str, float]:
-  """Exact match and sacreBLEU corpus BLEU / chrF of detokenized hypotheses."""
-  scores = evaluate.score(hypotheses, references)
-  hits = sum(h == r for h, r in zip(hypotheses, references))
-  return {'exact_match': hits / max(len(references), 1), 'bleu': scores['bleu'],
-          'chrf': scores['chrf']}
-
-
 def _samples_markdown(sources, references, hypotheses, count: int = 3) -> str:
   rows = ['| source | reference | greedy |', '|---|---|---|']
   for triple in list(zip(sources, references, hypotheses))[:count]:
     rows.append('| ' + ' | '.join(t.replace('|', '\\|') for t in triple) + ' |')
   return '\n'.join(rows)
-
-
-def _make_train_iterator(config: ml_collections.ConfigDict, split):
-  """The training batches: fixed-size (sentences x max length), token-budget buckets or
-  packed rows."""
-  if config.batching == 'fixed':
-    return input_pipeline.make_train_iterator(
-        split, config, batch_size=(config.per_device_batch_size * jax.local_device_count()
-                                   * config.grad_accum_steps),
-        seed=config.seed, process_index=jax.process_index(),
-        process_count=jax.process_count())
-  if config.batching == 'tokens':
-    iterator, plan = batching.make_token_budget_iterator(
-        split, tokens_per_batch=config.tokens_per_batch * config.grad_accum_steps,
-        max_length=max(config.max_source_length, config.max_target_length), seed=config.seed,
-        process_index=jax.process_index(), process_count=jax.process_count(),
-        devices_per_process=jax.local_device_count(), micro_batches=config.grad_accum_steps)
-    log(f'token-budget batches: buckets {plan.buckets}, rows {plan.rows}, '
-        f'{len(plan.epoch(0))} batches per epoch, padding '
-        f'{plan.padding_fraction(0):.1%}, '
-        f'{len(plan.eligible):,} of {len(split):,} pairs fit the maximum length')
-    return iterator
-  if config.batching == 'packed':
-    length = max(config.max_source_length, config.max_target_length)
-    iterator, plan = batching.make_packed_iterator(
-        split, tokens_per_batch=config.tokens_per_batch * config.grad_accum_steps,
-        length=length, seed=config.seed, process_index=jax.process_index(),
-        process_count=jax.process_count(), devices_per_process=jax.local_device_count(),
-        micro_batches=config.grad_accum_steps)
-    log(f'packed batches: {plan.rows} rows of {length} tokens, {len(plan.epoch(0))} batches '
-        f'per epoch, {plan.examples_per_row(0):.2f} pairs per row, padding '
-        f'{plan.padding_fraction(0):.1%}, '
-        f'{len(plan.eligible):,} of {len(split):,} pairs fit the maximum length')
-    return iterator
-  raise UserInputError("config.batching must be 'fixed', 'tokens' or 'packed', got "
-                       f'{config.batching!r}')
 
 
 class _PreemptionFlag:
@@ -379,151 +315,192 @@ class _PreemptionFlag:
       signal.signal(signum, handler)
 
 
+class _TrainingLog:
+  """Training metrics of the steps since the last log line: to the console and TensorBoard.
+
+  Keeps the device metrics of each step and fetches them only every `log_every_steps`, so
+  logging never waits for the device mid-window.
+  """
+
+  def __init__(self, writer: MetricWriter, num_train_steps: int, start_step: int):
+    self._writer, self._num_train_steps = writer, num_train_steps
+    self._pending = []
+    self.restart_clock(start_step)
+
+  def restart_clock(self, step: int | None = None) -> None:
+    """Starts the throughput window now (evaluation and checkpointing are not training)."""
+    self._window_start = time.time()
+    if step is not None:
+      self._window_step = step
+
+  def add(self, metrics: dict) -> None:
+    self._pending.append(metrics)
+
+  def write(self, step: int, skipped_steps: int) -> None:
+    totals, self._pending = jax.device_get(self._pending), []
+    tokens = sum(float(m['token_count']) for m in totals)
+    loss = sum(float(m['loss_sum']) for m in totals
+               if np.isfinite(m['loss_sum'])) / max(tokens, 1.0)
+    elapsed = max(time.time() - self._window_start, 1e-9)
+    steps_per_second = (step - self._window_step) / elapsed
+    scalars = {'train/loss': loss, 'train/learning_rate': float(totals[-1]['learning_rate']),
+               'train/grad_norm': float(totals[-1]['grad_norm']),
+               'train/target_tokens_per_second': tokens / elapsed,
+               'train/steps_per_second': steps_per_second,
+               'train/skipped_steps': float(skipped_steps)}
+    self._writer.write_scalars(step, scalars)
+    eta = (self._num_train_steps - step) / max(steps_per_second, 1e-9)
+    log(f'step {step}/{self._num_train_steps} | loss {loss:.4f} | '
+        f'lr {scalars["train/learning_rate"]:.2e} | '
+        f'{scalars["train/target_tokens_per_second"]:,.0f} tok/s | '
+        f'{steps_per_second:.2f} steps/s | ETA {format_duration(eta)}'
+        + (f' | {skipped_steps} non-finite steps skipped' if skipped_steps else ''))
+    self.restart_clock(step)
+
+
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   """Trains (resuming from the workdir's latest checkpoint if any), evaluates, checkpoints.
 
   Returns the last evaluation's metrics (and the final test exact match when configured).
   SIGTERM/SIGINT save a checkpoint at the current step and return early with 'preempted': 1.
+  Every config check runs first, before any data is prepared.
   """
   # First: it covers only threads JAX starts afterwards.
   host_memory.reuse_freed_memory_if_configured(config)
+  workdir = Workdir(workdir)
+  workdir.check_not_a_file()
   validate_run_config(config)
-  workdir = os.path.abspath(workdir)
-  if os.path.exists(workdir) and not os.path.isdir(workdir):
-    raise UserInputError(f'--workdir={workdir} exists and is not a directory')
-  with WorkdirLock(workdir, jax.process_index()), _PreemptionFlag() as preemption:
+  with workdir.lock(jax.process_index()), _PreemptionFlag() as preemption:
     return _train_and_evaluate(config, workdir, preemption)
 
 
-def _train_and_evaluate(config, workdir, preemption: _PreemptionFlag) -> dict[str, float]:
-  data_dir = config.data_dir or os.path.join(workdir, 'data')
-  sources = input_pipeline.load_data_sources(config, data_dir)
-  tokenizer = input_pipeline.load_or_train_tokenizer(config, workdir,
-                                                     sources[config.train_split])
-  model_config = model_config_from(config, tokenizer.vocab_size)
-  save_run_config(config, model_config, workdir)
-  tokenized = input_pipeline.tokenized_splits(sources, tokenizer, config, workdir)
+class _Run:
+  """What the loop works with: data, vocabulary, trainer, checkpointer, writer."""
 
-  trainer = Trainer(config, model_config)
-  device_count = trainer.mesh.devices.size
-  if config.eval_batch_size % device_count:
-    raise UserInputError(f'config.eval_batch_size={config.eval_batch_size} must be a multiple '
-                         f'of the {device_count} devices')
-  train_iterator = _make_train_iterator(config, tokenized[config.train_split])
+  def __init__(self, config: ml_collections.ConfigDict, workdir: Workdir):
+    self.config = config
+    self.sources = input_pipeline.load_data_sources(config, config.data_dir or workdir.data)
+    self.tokenizer = input_pipeline.load_or_train_tokenizer(config, workdir,
+                                                            self.sources[config.train_split])
+    self.model_config = model_config_from(config, self.tokenizer.vocab_size)
+    save_run_config(config, self.model_config, workdir)
+    self.tokenized = input_pipeline.tokenized_splits(self.sources, self.tokenizer, config,
+                                                     workdir)
+    self.trainer = Trainer(config, self.model_config)
+    self.train_iterator = input_pipeline.make_train_iterator(
+        self.tokenized[config.train_split], config, process_index=jax.process_index(),
+        process_count=jax.process_count(), local_device_count=jax.local_device_count())
+    self.eval_batches = input_pipeline.make_eval_batches(
+        self.tokenized[config.eval_split], config, batch_size=config.eval_batch_size)
+    self.checkpointer = Checkpointer(workdir.checkpoints, keep=config.keep_checkpoints,
+                                     damaged_directory=workdir.damaged_checkpoints)
+    self.writer = MetricWriter(workdir.tensorboard)
 
-  checkpointer = Checkpointer(os.path.join(workdir, CHECKPOINT_DIR),
-                              keep=config.keep_checkpoints)
-  damaged = []
-  restored = checkpointer.restore_latest_valid(
-      trainer.abstract_state,
-      on_error=lambda error: (damaged.append(error), logging.warning(
-          '%s; falling back to the previous checkpoint', error)))
-  if restored is None and damaged:
-    checkpointer.close()
-    raise CorruptCheckpointError(
-        f'every checkpoint in {checkpointer.directory} was damaged and has been moved aside '
-        f'(newest: {damaged[0]}); rerun to start from scratch, or repair them by hand')
-  if restored is None:
-    state = trainer.init_state(config.seed)
-    start_step = 0
-  else:
+  def restore_or_init(self) -> TrainState:
+    """The latest intact checkpoint's state (and input position), else a fresh state."""
+    damaged = []
+    restored = self.checkpointer.restore_latest_valid(
+        self.trainer.abstract_state,
+        on_error=lambda error: (damaged.append(error), logging.warning(
+            '%s; falling back to the previous checkpoint', error)))
+    if restored is None and damaged:
+      raise CorruptCheckpointError(
+          f'every checkpoint in {self.checkpointer.directory} was damaged and has been moved '
+          f'aside (newest: {damaged[0]}); rerun to start from scratch, or repair them by hand')
+    if restored is None:
+      return self.trainer.init_state(self.config.seed)
     state, data_state, _ = restored
-    train_iterator.set_state(data_state['train_iterator'])
-    start_step = int(state.step)
-    log(f'resumed from {checkpointer.directory} at step {start_step}')
-  num_params = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
-  log(f'model: {num_params:,} parameters, {model_config}')
+    self.train_iterator.set_state(data_state['train_iterator'])
+    log(f'resumed from {self.checkpointer.directory} at step {int(state.step)}')
+    return state
 
-  eval_batches = input_pipeline.make_eval_batches(
-      tokenized[config.eval_split], config, batch_size=config.eval_batch_size)
-  writer = MetricWriter(os.path.join(workdir, 'tensorboard'))
-  eval_metrics: dict[str, float] = {}
-  pending = []  # Device metrics of steps not yet logged; fetched every log_every_steps.
-  window_start, window_step = time.time(), start_step
-  run_start = time.time()
-
-  def run_eval(step):
-    metrics = trainer.evaluate(state.params, eval_batches)
+  def evaluate(self, params, step: int) -> dict[str, float]:
+    config = self.config
+    result = self.trainer.evaluate(params, self.eval_batches)
     if config.eval_decode_examples:
-      texts = decode_split(trainer, state.params, sources[config.eval_split],
-                           tokenized[config.eval_split], tokenizer, config,
-                           config.eval_decode_examples)
-      metrics.update(translation_metrics(texts[1], texts[2]))
-      writer.write_texts(step, {'eval/samples': _samples_markdown(*texts)})
-    writer.write_scalars(step, {f'eval/{k}': v for k, v in metrics.items()})
-    log(f'eval step {step}: ' + ', '.join(f'{k} {v:.4f}' for k, v in metrics.items()))
-    return metrics
+      texts = self.decode_split(params, config.eval_split, config.eval_decode_examples)
+      result.update(metrics.translation_metrics(texts[1], texts[2]))
+      self.writer.write_texts(step, {'eval/samples': _samples_markdown(*texts)})
+    self.writer.write_scalars(step, {f'eval/{k}': v for k, v in result.items()})
+    log(f'eval step {step}: ' + ', '.join(f'{k} {v:.4f}' for k, v in result.items()))
+    return result
 
-  def save(step):
+  def test(self, params, step: int) -> dict[str, float]:
+    _, references, hypotheses = self.decode_split(params, self.config.test_split, None)
+    test = metrics.translation_metrics(references, hypotheses)
+    self.writer.write_scalars(step, {f'test/{k}': v for k, v in test.items()})
+    log(f'test exact match (greedy, {len(references)} sentences): {test["exact_match"]:.4f}, '
+        f'BLEU {test["bleu"]:.2f}, chrF {test["chrf"]:.2f}')
+    return {f'test_{k}': v for k, v in test.items()}
+
+  def decode_split(self, params, split: str, max_examples: int | None):
+    return decode_split(self.trainer, params, self.sources[split], self.tokenized[split],
+                        self.tokenizer, self.config, max_examples)
+
+  def save(self, state: TrainState, step: int) -> None:
     # Skipped updates keep parameters finite; this guards against anything else.
-    if not bool(trainer.all_finite(state.params)):
+    if not bool(self.trainer.all_finite(state.params)):
       raise NonFiniteError(f'parameters are not finite at step {step}; not checkpointing')
-    checkpointer.save(step, state, {'train_iterator': train_iterator.get_state()})
+    self.checkpointer.save(step, state, {'train_iterator': self.train_iterator.get_state()})
 
-  step = start_step
+  def close(self) -> None:
+    self.checkpointer.close()
+    self.writer.close()
+
+
+def _train_and_evaluate(config, workdir: Workdir,
+                        preemption: _PreemptionFlag) -> dict[str, float]:
+  run = _Run(config, workdir)
+  try:
+    return _loop(run, preemption, workdir)
+  finally:
+    run.close()
+
+
+def _every(step: int, interval: int, last_step: int) -> bool:
+  return step % interval == 0 or step == last_step
+
+
+def _loop(run: _Run, preemption: _PreemptionFlag, workdir: Workdir) -> dict[str, float]:
+  config, trainer = run.config, run.trainer
+  run_start = time.time()
+  state = run.restore_or_init()
+  start_step = step = int(state.step)
+  num_params = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
+  log(f'model: {num_params:,} parameters, {run.model_config}')
+  training_log = _TrainingLog(run.writer, config.num_train_steps, start_step)
+  eval_metrics: dict[str, float] = {}
   previous_metrics = None
   for step in range(start_step + 1, config.num_train_steps + 1):
-    state, metrics = trainer.step(state, next(train_iterator))
-    pending.append(metrics)
+    state, step_metrics = trainer.step(state, next(run.train_iterator))
+    training_log.add(step_metrics)
     # Check the previous step's streak: it is done by now, so this does not stall the device.
     if previous_metrics is not None:
       streak = int(previous_metrics['nonfinite_streak'])
       if streak >= config.max_consecutive_nonfinite_steps:
-        checkpointer.close()
         raise NonFiniteError(
             f'loss or gradients were NaN/Inf for {streak} consecutive steps '
             f'({step - streak}..{step - 1}); stopping. The latest checkpoint '
-            f'({checkpointer.latest_step()}) holds finite parameters: lower the learning '
+            f'({run.checkpointer.latest_step()}) holds finite parameters: lower the learning '
             'rate or inspect the data before resuming')
-    previous_metrics = metrics
-    if step % config.log_every_steps == 0 or step == config.num_train_steps:
-      totals = jax.device_get(pending)
-      pending = []
-      tokens = sum(float(m['token_count']) for m in totals)
-      loss = sum(float(m['loss_sum']) for m in totals
-                 if np.isfinite(m['loss_sum'])) / max(tokens, 1.0)
-      elapsed = time.time() - window_start
-      steps_per_second = (step - window_step) / max(elapsed, 1e-9)
-      scalars = {'train/loss': loss, 'train/learning_rate': float(totals[-1]['learning_rate']),
-                 'train/grad_norm': float(totals[-1]['grad_norm']),
-                 'train/target_tokens_per_second': tokens / max(elapsed, 1e-9),
-                 'train/steps_per_second': steps_per_second,
-                 'train/skipped_steps': float(jax.device_get(state.skipped_steps))}
-      writer.write_scalars(step, scalars)
-      eta = (config.num_train_steps - step) / max(steps_per_second, 1e-9)
-      skipped = int(scalars['train/skipped_steps'])
-      log(f'step {step}/{config.num_train_steps} | loss {loss:.4f} | '
-          f'lr {scalars["train/learning_rate"]:.2e} | '
-          f'{scalars["train/target_tokens_per_second"]:,.0f} tok/s | '
-          f'{steps_per_second:.2f} steps/s | ETA {format_duration(eta)}'
-          + (f' | {skipped} non-finite steps skipped' if skipped else ''))
-      window_start, window_step = time.time(), step
+    previous_metrics = step_metrics
+    if _every(step, config.log_every_steps, config.num_train_steps):
+      training_log.write(step, int(jax.device_get(state.skipped_steps)))
     if preemption.should_stop(step):
-      save(step)
-      checkpointer.close()
-      writer.close()
+      run.save(state, step)
+      run.checkpointer.wait_until_finished()
       log(f'{preemption.signal_name or "preemption"} received: checkpoint saved at step {step}; '
           'rerun the same command to resume')
       return {**eval_metrics, 'preempted': 1.0, 'step': float(step)}
-    if step % config.eval_every_steps == 0 or step == config.num_train_steps:
-      eval_metrics = run_eval(step)
-    if step % config.checkpoint_every_steps == 0 or step == config.num_train_steps:
-      save(step)
-      # Evaluation and checkpoint saving are not training time.
-      window_start = time.time()
-
+    if _every(step, config.eval_every_steps, config.num_train_steps):
+      eval_metrics = run.evaluate(state.params, step)
+    if _every(step, config.checkpoint_every_steps, config.num_train_steps):
+      run.save(state, step)
+      training_log.restart_clock()
   if not eval_metrics:  # Nothing left to train: report on the restored state.
-    eval_metrics = run_eval(step)
-  checkpointer.close()
+    eval_metrics = run.evaluate(state.params, step)
+  run.checkpointer.wait_until_finished()
   if config.final_test_decode:
-    _, references, hypotheses = decode_split(trainer, state.params, sources[config.test_split],
-                                             tokenized[config.test_split], tokenizer, config,
-                                             None)
-    test = translation_metrics(references, hypotheses)
-    eval_metrics.update({f'test_{k}': v for k, v in test.items()})
-    writer.write_scalars(step, {f'test/{k}': v for k, v in test.items()})
-    log(f'test exact match (greedy, {len(references)} sentences): {test["exact_match"]:.4f}, '
-        f'BLEU {test["bleu"]:.2f}, chrF {test["chrf"]:.2f}')
-  writer.close()
-  log(f'done in {format_duration(time.time() - run_start)}; workdir {workdir}')
+    eval_metrics.update(run.test(state.params, step))
+  log(f'done in {format_duration(time.time() - run_start)}; workdir {workdir.path}')
   return eval_metrics

@@ -5,7 +5,6 @@ key/value cache. Run through `python -m transformer_jax.benchmark` (which see).
 from __future__ import annotations
 
 import functools
-import json
 import os
 import time
 from typing import Callable
@@ -14,10 +13,12 @@ import flax.linen as nn
 import jax
 import numpy as np
 
-from transformer_jax import inference, input_pipeline, run_config
+from transformer_jax import inference
 from transformer_jax.config import TransformerConfig
+from transformer_jax.data import input_pipeline, number_words
+from transformer_jax.data.tokenizer import EOS_ID, PAD_ID
 from transformer_jax.models import Transformer
-from transformer_jax.tokenizer import EOS_ID, PAD_ID
+from transformer_jax.workdir import Workdir
 
 DECODE_MODES = ('greedy_cached', 'greedy_uncached', 'beam_cached', 'beam_uncached')
 
@@ -105,12 +106,8 @@ def benchmark_decoding(name: str, model_config: TransformerConfig, params,
 def trained_decoding(workdir: str, *, batch_size: int, batches: int, beam_size: int,
                      alpha: float) -> dict:
   """The trained model of a number-words workdir on the task's test sentences."""
-  from transformer_jax import number_words
-  from transformer_jax.translate import Translator
-
-  translator = Translator.from_checkpoint(workdir)
-  with open(os.path.join(workdir, run_config.CONFIG_FILE)) as f:
-    saved = json.load(f)['config']
+  translator = inference.Translator.from_checkpoint(workdir)
+  saved = Workdir(workdir).read_run_config()['config']
   source_length, max_decode_len = saved['max_source_length'], saved['max_target_length']
   numbers = number_words.sample_numbers('test', batch_size * batches, seed=0)
   sentences = [number_words.english_words(n) for n in numbers]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from transformer_jax.benchmark_decoding import DECODE_MODES
-from transformer_jax.benchmark_flops import FLOPS_FORMULA
+from transformer_jax.benchmark.decoding import DECODE_MODES
+from transformer_jax.benchmark.flops import FLOPS_FORMULA
 
 
 def _si(value: float | None, unit: str = '') -> str:

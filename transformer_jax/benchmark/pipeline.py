@@ -11,8 +11,8 @@ import time
 import ml_collections
 import numpy as np
 
-from transformer_jax import batching, input_pipeline
-from transformer_jax.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+from transformer_jax.data import batching, input_pipeline
+from transformer_jax.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 
 BATCHING_MODES = ('fixed', 'tokens', 'packed')
 # Token ids the synthetic data draws from: everything above the special ids.
@@ -80,7 +80,7 @@ def benchmark_pipeline(*, num_examples: int, max_length: int, tokens_per_batch: 
                                       'max_target_length': max_length})
   fixed_rows = max(1, tokens_per_batch // max_length)
   iterators = {
-      'fixed': lambda: (input_pipeline.make_train_iterator(
+      'fixed': lambda: (input_pipeline.make_fixed_iterator(
           split, config, batch_size=fixed_rows, seed=seed), None),
       'tokens': lambda: batching.make_token_budget_iterator(
           split, tokens_per_batch=tokens_per_batch, max_length=max_length, seed=seed),

@@ -9,7 +9,7 @@ from typing import Iterable, Sequence
 
 import sentencepiece as spm
 
-from transformer_jax.config import UserInputError
+from transformer_jax.errors import UserInputError
 
 PAD_ID, EOS_ID, BOS_ID, UNK_ID = 0, 1, 2, 3
 

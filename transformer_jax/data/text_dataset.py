@@ -65,7 +65,7 @@ from etils import epath
 import tensorflow_datasets as tfds
 from tensorflow_datasets.core import shuffle as tfds_shuffle
 
-from transformer_jax.config import UserInputError, is_integer
+from transformer_jax.errors import UserInputError, is_integer
 
 DATASET_NAME = 'parallel_text'
 # Part of the fingerprint: bump it when the way files become examples changes,
@@ -273,7 +273,7 @@ class ParallelText(tfds.core.GeneratorBasedBuilder, skip_registration=True):
   def _info(self) -> tfds.core.DatasetInfo:
     return self.dataset_info_from_configs(
         description=(f'Sentence-aligned {self._src_lang}-{self._tgt_lang} text from '
-                     'user files (transformer_jax.text_dataset).'),
+                     'user files (transformer_jax.data.text_dataset).'),
         features=tfds.features.FeaturesDict({
             self._src_lang: tfds.features.Text(),
             self._tgt_lang: tfds.features.Text(),

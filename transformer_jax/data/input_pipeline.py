@@ -1,9 +1,10 @@
 """Input pipeline: tfds `array_record` data sources (no TensorFlow) fed through grain.
 
-Examples become fixed-length int32 arrays ('inputs' = source ids + EOS, 'targets' = target ids +
-EOS, both right-padded with 0), so every training batch has one shape and `jit` compiles once.
-The training iterator is a grain iterator whose `get_state()` is small JSON, saved with every
-checkpoint so a resumed run sees exactly the batches an uninterrupted run would.
+Sources are read once into token ids (`TokenizedSplit`, cached in the workdir), then
+`make_train_iterator` gives the training batches in the configured form: 'fixed' (every pair
+padded to the maximum lengths, one shape), or the planned forms of `batching.py` ('tokens':
+length buckets; 'packed': several pairs per row). Its `get_state()` is small JSON, saved with
+every checkpoint so a resumed run sees exactly the batches an uninterrupted run would.
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ import ml_collections
 import numpy as np
 import tensorflow_datasets as tfds
 
-from transformer_jax import number_words, text_dataset
-from transformer_jax.config import UserInputError
-from transformer_jax.tokenizer import EOS_ID, Tokenizer
+from transformer_jax.data import batching, number_words, text_dataset
+from transformer_jax.data.tokenizer import EOS_ID, Tokenizer
+from transformer_jax.errors import UserInputError
+from transformer_jax.metric_writers import log
+from transformer_jax.workdir import Workdir
 
 Batch = dict[str, np.ndarray]
 
@@ -39,9 +42,6 @@ def resolve_dataset(config: ml_collections.ConfigDict, data_dir: str) -> str:
     number_words.prepare(data_dir, config_name)
     return f'number_words/{config_name}'
   if name == 'text':
-    if not config.data.dir:
-      raise UserInputError('config.dataset=text needs config.data.dir: the directory holding '
-                           f'train.{config.data.src_lang} and train.{config.data.tgt_lang}')
     src_paths, tgt_paths = text_dataset.text_paths(config.data.dir, config.data.src_lang,
                                                    config.data.tgt_lang)
     return text_dataset.prepare_text_dataset(
@@ -53,11 +53,6 @@ def resolve_dataset(config: ml_collections.ConfigDict, data_dir: str) -> str:
 
 def load_data_sources(config: ml_collections.ConfigDict, data_dir: str) -> dict[str, Any]:
   """Random-access sources of every split of the (prepared) dataset, by split name."""
-  if data_dir.startswith('gs://'):
-    # Without this, riegeli fails deep inside the first read with "open() failed".
-    raise UserInputError(f'config.data_dir={data_dir!r}: array_record cannot read from gs:// '
-                         '(google/array_record#120); copy the prepared dataset to local disk '
-                         '(`gcloud storage cp -r`) or mount the bucket with gcsfuse')
   name = resolve_dataset(config, data_dir)
   try:
     sources = tfds.data_source(name, data_dir=data_dir, try_gcs=False)
@@ -96,10 +91,10 @@ def training_sentences(source, config: ml_collections.ConfigDict) -> Iterator[st
     yield _text(example, config.data.tgt_lang)
 
 
-def load_or_train_tokenizer(config: ml_collections.ConfigDict, workdir: str,
+def load_or_train_tokenizer(config: ml_collections.ConfigDict, workdir: Workdir,
                             train_source) -> Tokenizer:
   """The workdir's vocabulary if it exists (a resumed run), else a new one trained and saved."""
-  path = os.path.join(workdir, 'vocab.model')
+  path = workdir.vocab_file
   if os.path.exists(path):
     return Tokenizer.load(path)
   try:
@@ -201,24 +196,13 @@ def _flatten(sequences: list) -> tuple[np.ndarray, np.ndarray]:
 
 
 def tokenized_splits(sources: dict, tokenizer: Tokenizer, config: ml_collections.ConfigDict,
-                     workdir: str) -> dict[str, TokenizedSplit]:
+                     workdir: Workdir) -> dict[str, TokenizedSplit]:
   splits = {}
   for split in dict.fromkeys([config.train_split, config.eval_split, config.test_split]):
-    name = f'{sources["name"].replace("/", "_")}-{split}.npz'
     splits[split] = TokenizedSplit.build(sources[split], tokenizer, config,
-                                         os.path.join(workdir, 'token_cache', name),
+                                         workdir.token_cache_file(sources['name'], split),
                                          dataset_name=sources['name'])
   return splits
-
-
-class _FitsLengths(grain.transforms.Filter):
-
-  def __init__(self, max_source_length: int, max_target_length: int):
-    self._max_source_length, self._max_target_length = max_source_length, max_target_length
-
-  def filter(self, example) -> bool:
-    return (len(example['inputs']) <= self._max_source_length
-            and len(example['targets']) <= self._max_target_length)
 
 
 def pad_batch(examples: list[dict], max_source_length: int, max_target_length: int,
@@ -248,7 +232,7 @@ class _Subset:
     return self._split[int(self._indices[index])]
 
 
-def make_train_iterator(source: TokenizedSplit, config: ml_collections.ConfigDict, *,
+def make_fixed_iterator(source: TokenizedSplit, config: ml_collections.ConfigDict, *,
                         batch_size: int, seed: int, process_index: int = 0,
                         process_count: int = 1) -> grain.DatasetIterator:
   """Endless, shuffled (a new order every epoch), fixed-shape batches of this process's shard.
@@ -269,8 +253,89 @@ def make_train_iterator(source: TokenizedSplit, config: ml_collections.ConfigDic
              batch_fn=lambda examples: pad_batch(list(examples), config.max_source_length,
                                                  config.max_target_length)))
   # Whole batches are the unit of prefetching: per-example threads cost more in locking than
-  # the work they parallelise (1.3k examples/s vs 13k/s synchronous, measured).
+  # the work they parallelise (bench/README.md, "Optimisations tried").
   return iter(dataset.to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=4)))
+
+
+class TrainIterator:
+  """This process's endless training batches, resumable from `get_state()`.
+
+  The state records the device layout the batch sequence depends on, and `set_state` refuses a
+  different one: resuming on other devices would otherwise silently train on other batches
+  than the interrupted run would have.
+  """
+
+  def __init__(self, iterator: grain.DatasetIterator, layout: dict[str, Any]):
+    self._iterator = iterator
+    self.layout = layout
+
+  def __iter__(self) -> 'TrainIterator':
+    return self
+
+  def __next__(self) -> Batch:
+    return next(self._iterator)
+
+  def get_state(self) -> dict[str, Any]:
+    return {'position': self._iterator.get_state(), 'layout': self.layout}
+
+  def set_state(self, state: dict[str, Any]) -> None:
+    if 'layout' not in state:  # Written before layouts were recorded: the position alone.
+      self._iterator.set_state(state)
+      return
+    if state['layout'] != self.layout:
+      saved, now = _describe_layout(state['layout']), _describe_layout(self.layout)
+      raise UserInputError(
+          f'the checkpoint was written by a run on {saved}, this one runs on {now}: its batches '
+          'would differ from those the interrupted run was training on. Resume on the same '
+          'devices, or start a new --workdir')
+    self._iterator.set_state(state['position'])
+
+
+def _describe_layout(layout: dict[str, Any]) -> str:
+  if 'devices' in layout:
+    return f'{layout["devices"]} devices'
+  return (f'{layout["process_count"]} process(es) x {layout["local_device_count"]} '
+          'local devices')
+
+
+def make_train_iterator(split: TokenizedSplit, config: ml_collections.ConfigDict, *,
+                        process_index: int = 0, process_count: int = 1,
+                        local_device_count: int = 1) -> TrainIterator:
+  """The training batches of `config.batching`, for this process of the job.
+
+  'fixed': `per_device_batch_size` pairs per device, padded to the maximum lengths; each
+  process reads its own slice of the data, so the sequence depends on the process count and
+  the devices per process. 'tokens' / 'packed': planned globally (`batching.py`), so the
+  sequence depends only on the total device count; each process materialises its rows. With
+  `grad_accum_steps` = k every batch is k micro-batches.
+  """
+  accumulation = config.grad_accum_steps
+  max_length = max(config.max_source_length, config.max_target_length)
+  planned = dict(tokens_per_batch=config.tokens_per_batch * accumulation, seed=config.seed,
+                 process_index=process_index, process_count=process_count,
+                 devices_per_process=local_device_count, micro_batches=accumulation)
+  if config.batching == 'fixed':
+    iterator = make_fixed_iterator(
+        split, config, batch_size=config.per_device_batch_size * local_device_count * accumulation,
+        seed=config.seed, process_index=process_index, process_count=process_count)
+    return TrainIterator(iterator, {'batching': 'fixed', 'process_count': process_count,
+                                    'local_device_count': local_device_count})
+  if config.batching == 'tokens':
+    iterator, plan = batching.make_token_budget_iterator(split, max_length=max_length, **planned)
+    log(f'token-budget batches: buckets {plan.buckets}, rows {plan.rows}, '
+        f'{len(plan.epoch(0))} batches per epoch, padding {plan.padding_fraction(0):.1%}, '
+        f'{len(plan.eligible):,} of {len(split):,} pairs fit the maximum length')
+  elif config.batching == 'packed':
+    iterator, plan = batching.make_packed_iterator(split, length=max_length, **planned)
+    log(f'packed batches: {plan.rows} rows of {max_length} tokens, {len(plan.epoch(0))} batches '
+        f'per epoch, {plan.examples_per_row(0):.2f} pairs per row, padding '
+        f'{plan.padding_fraction(0):.1%}, '
+        f'{len(plan.eligible):,} of {len(split):,} pairs fit the maximum length')
+  else:
+    raise UserInputError("config.batching must be 'fixed', 'tokens' or 'packed', got "
+                         f'{config.batching!r}')
+  return TrainIterator(iterator, {'batching': config.batching,
+                                  'devices': process_count * local_device_count})
 
 
 def make_eval_batches(source: TokenizedSplit, config: ml_collections.ConfigDict, *,

@@ -1,0 +1,74 @@
+"""A trained model's attention as labelled heatmaps, like the paper's Figures 3-5
+(`python -m transformer_jax.plot_attention`; matplotlib: `pip install -e '.[plot]'`).
+
+One panel per layer (rows) and head (columns); queries on the vertical axis, keys on the
+horizontal one. For `cross` (the default) the target pieces are the rows and the source pieces
+the columns. Without --target the model's own beam-search translation is used.
+"""
+
+from __future__ import annotations
+
+from transformer_jax.errors import UserInputError
+from transformer_jax.inference import AttentionMaps, Translator
+
+KINDS = {
+    # kind: (AttentionMaps field, query tokens, key tokens, title)
+    'cross': ('cross', 'target_tokens', 'source_tokens', 'encoder-decoder attention'),
+    'encoder': ('encoder_self', 'source_tokens', 'source_tokens', 'encoder self-attention'),
+    'decoder': ('decoder_self', 'target_tokens', 'target_tokens', 'decoder self-attention'),
+}
+
+
+def plot(maps: AttentionMaps, kind: str, out: str, layers: list[int] | None = None) -> str:
+  """Writes the heatmaps of one kind of attention to `out` (any format matplotlib knows)."""
+  try:
+    import matplotlib  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    raise UserInputError("plotting needs matplotlib: pip install -e '.[plot]'") from None
+  matplotlib.use('Agg')  # Files only; no display needed.
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
+  if kind not in KINDS:
+    raise UserInputError(f'--kind={kind!r}: expected one of {", ".join(KINDS)}')
+  field, query_field, key_field, title = KINDS[kind]
+  weights = getattr(maps, field)  # [layers, heads, queries, keys]
+  queries, keys = getattr(maps, query_field), getattr(maps, key_field)
+  num_layers, num_heads = weights.shape[:2]
+  layers = layers or list(range(1, num_layers + 1))
+  for layer in layers:
+    if not 1 <= layer <= num_layers:
+      raise UserInputError(f'--layers: layer {layer} does not exist (the model has '
+                           f'{num_layers}, numbered from 1)')
+  cell = 0.22  # Inches per token, so labels stay legible.
+  panel_width, panel_height = 1.2 + cell * len(keys), 1.0 + cell * len(queries)
+  figure, axes = plt.subplots(len(layers), num_heads, squeeze=False,
+                              figsize=(panel_width * num_heads, panel_height * len(layers)))
+  for row, layer in enumerate(layers):
+    for head in range(num_heads):
+      axis = axes[row][head]
+      axis.imshow(weights[layer - 1, head], cmap='viridis', vmin=0.0, vmax=1.0,
+                  aspect='auto', interpolation='nearest')
+      axis.set_xticks(range(len(keys)), keys, rotation=90, fontsize=7)
+      axis.set_yticks(range(len(queries)), queries, fontsize=7)
+      axis.set_title(f'layer {layer}, head {head + 1}', fontsize=8)
+  figure.suptitle(title)
+  figure.tight_layout()
+  figure.savefig(out, dpi=100)
+  plt.close(figure)
+  return out
+
+
+def plot_translation(workdir: str, text: str, out: str, *, target: str | None = None,
+                     kind: str = 'cross', layers: list[int] | None = None,
+                     checkpoint: int | str | None = None, beam_size: int = 4,
+                     alpha: float = 0.6) -> tuple[AttentionMaps, str]:
+  """The `plot_attention` command: restores `workdir`, translates `text` unless `target` is
+  given, and draws one kind of attention to `out`. Returns (the maps, the target used)."""
+  if kind not in KINDS:
+    raise UserInputError(f'--kind={kind!r}: expected one of {", ".join(KINDS)}')
+  translator = Translator.from_checkpoint(workdir, checkpoint)
+  if target is None:
+    target = translator.translate([text], beam_size, alpha)[0]
+  maps = translator.attention(text, target)
+  plot(maps, kind, out, layers)
+  return maps, target

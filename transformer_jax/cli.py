@@ -1,0 +1,116 @@
+"""What every command shares: the runner that maps exceptions to exit codes, the `--config`
+flag, and parsing of flag values that several commands take.
+
+Commands (`train.py`, `python -m transformer_jax.X`) are thin: they define flags and call
+`run(main)`, whose `main` makes one library call. Library modules never import commands, and
+only this module and the commands touch absl flags.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Callable, NoReturn
+
+import ml_collections
+from absl import app
+from ml_collections import config_flags
+
+from transformer_jax import errors
+from transformer_jax.errors import UserInputError
+from transformer_jax.metric_writers import quiet_library_logs
+
+# What ml_collections raises for a bad `--config.field=value` (a misspelt field, a value of the
+# wrong type) and, deferred to the first access of the flag, for a config file it cannot load.
+_CONFIG_FLAG_ERRORS = (AttributeError, KeyError, TypeError, ValueError, OSError, SyntaxError)
+
+
+def exit_with_error(message: str, code: int = errors.EXIT_USER_ERROR) -> NoReturn:
+  print(f'error: {message}', file=sys.stderr)
+  sys.exit(code)
+
+
+def run(main: Callable[[list[str]], None], *, config_flag: bool = False) -> None:
+  """`absl.app.run(main)` with the project's errors as `error: <message>` and exit codes.
+
+  `errors.EXIT_CODES` says which exception gives which status (2: the user's mistake, 3: a
+  run stopped on NaN/Inf); anything else is a bug and keeps its traceback. With `config_flag`,
+  bad `--config` files and fields are one-line errors too (see `define_config_flag`).
+  """
+
+  def main_with_exit_codes(argv):
+    if len(argv) > 1:
+      raise app.UsageError(f'unexpected arguments: {argv[1:]}')
+    quiet_library_logs()
+    try:
+      main(argv)
+    except Exception as error:  # pylint: disable=broad-except
+      code = errors.exit_code(error)
+      if code is None:
+        raise
+      exit_with_error(str(error), code)
+
+  app.run(main_with_exit_codes, flags_parser=parse_flags if config_flag else _parse_plain)
+
+
+def _parse_plain(argv: list[str]) -> list[str]:
+  return app.parse_flags_with_usage(argv)
+
+
+def define_config_flag(default: str, help_text: str, lock_config: bool = True) -> None:
+  """`--config=FILE` (`get_config()` returning a ConfigDict) with `--config.field=value`.
+
+  ml_collections applies the overrides as soon as a file is loaded (the default file: while
+  the flag is defined) and reports a misspelt field or a missing file as a traceback; here they
+  are one line and exit status 2. Commands then call `run(main, config_flag=True)` and read the
+  config with `loaded_config()`.
+  """
+  try:
+    config_flags.DEFINE_config_file('config', default, help_text, lock_config=lock_config)
+  except _CONFIG_FLAG_ERRORS as error:
+    exit_with_error(config_flag_message(error))
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing, with the config errors above as one line (for `app.run`)."""
+  try:
+    return app.parse_flags_with_usage(argv)
+  except _CONFIG_FLAG_ERRORS as error:
+    exit_with_error(config_flag_message(error))
+
+
+def loaded_config(flag_values) -> ml_collections.ConfigDict:
+  """The `--config` flag's ConfigDict, or a one-line error if its file did not load."""
+  try:
+    config = flag_values.config
+    config.keys()  # A file that did not load is a stand-in that raises on first use.
+    return config
+  except _CONFIG_FLAG_ERRORS as error:
+    exit_with_error(config_flag_message(error))
+
+
+def config_flag_message(error: BaseException) -> str:
+  """One line for ml_collections' multi-line config-flag errors."""
+  if isinstance(error, SyntaxError):
+    return f'--config: {error}'  # Names the file and line.
+  while error.args and isinstance(error.args[0], BaseException):
+    error = error.args[0]  # AttributeError(KeyError("'name'\nDid you mean ...?"))
+  text = error.args[0] if error.args and isinstance(error.args[0], str) else str(error)
+  lines = [line.strip() for line in text.splitlines() if line.strip()] or [repr(error)]
+  if isinstance(error, KeyError):
+    hint = f' ({lines[1]})' if len(lines) > 1 else ''
+    return f'--config.*: the config has no field {lines[0]}{hint}'
+  if isinstance(error, OSError):
+    # "Failed loading config file ...", "Attempted [...]:", the path, then the cause.
+    return f'--config: {lines[-1]}'
+  return f'--config: {" ".join(lines)}'
+
+
+def checkpoint_flag_value(value: str | None) -> int | str | None:
+  """--checkpoint: a step number, 'averaged' or 'latest' (None: the default choice)."""
+  if value is None or value in ('averaged', 'latest'):
+    return value
+  try:
+    return int(value)
+  except ValueError:
+    raise UserInputError(f"--checkpoint must be a step number, 'averaged' or 'latest', "
+                         f'got {value!r}') from None

@@ -1,0 +1,165 @@
+"""A training workdir on disk: the one place that knows its layout, its lock and its config.
+
+    DIR/config.json             the resolved run config and model config (`run_config`)
+    DIR/vocab.model             the shared SentencePiece vocabulary
+    DIR/checkpoints/<step>/     orbax step checkpoints (state + input-pipeline position)
+    DIR/averaged/               the averaged parameters (`python -m transformer_jax.average`)
+    DIR/damaged_checkpoints/    checkpoints that failed to read back, moved aside
+    DIR/tensorboard/            TensorBoard event files
+    DIR/token_cache/            token ids of each split, per dataset and vocabulary
+    DIR/data/                   prepared tfds datasets, unless config.data_dir is set
+    DIR/hypotheses/             `evaluate`'s translations
+    DIR/.lock                   held by the training process that owns the workdir
+
+Everything else asks a `Workdir` for these paths. One run per workdir: `Workdir.lock()` takes
+an exclusive `fcntl.flock`, which belongs to the open file description, so the kernel releases
+it when the process ends for any reason (SIGKILL included) and a stale lock never blocks a
+restart.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+
+from transformer_jax.errors import UserInputError
+
+_CONFIG_FILE = 'config.json'
+_VOCAB_FILE = 'vocab.model'
+_CHECKPOINTS = 'checkpoints'
+_AVERAGED = 'averaged'
+_DAMAGED_CHECKPOINTS = 'damaged_checkpoints'
+_TENSORBOARD = 'tensorboard'
+_TOKEN_CACHE = 'token_cache'
+_DATA = 'data'
+_HYPOTHESES = 'hypotheses'
+_LOCK_FILE = '.lock'
+
+
+class Workdir:
+  """Paths inside one workdir (absolute), its lock, and its saved run config."""
+
+  def __init__(self, path: str):
+    if not path:
+      raise UserInputError('--workdir is empty: name a directory')
+    self.path = os.path.abspath(os.fspath(path))
+
+  def __repr__(self) -> str:
+    return f'Workdir({self.path!r})'
+
+  def _join(self, *names: str) -> str:
+    return os.path.join(self.path, *names)
+
+  @property
+  def config_file(self) -> str:
+    return self._join(_CONFIG_FILE)
+
+  @property
+  def vocab_file(self) -> str:
+    return self._join(_VOCAB_FILE)
+
+  @property
+  def checkpoints(self) -> str:
+    return self._join(_CHECKPOINTS)
+
+  @property
+  def averaged(self) -> str:
+    return self._join(_AVERAGED)
+
+  @property
+  def damaged_checkpoints(self) -> str:
+    return self._join(_DAMAGED_CHECKPOINTS)
+
+  @property
+  def tensorboard(self) -> str:
+    return self._join(_TENSORBOARD)
+
+  @property
+  def data(self) -> str:
+    """Where prepared datasets go when the config does not name a data_dir."""
+    return self._join(_DATA)
+
+  def token_cache_file(self, dataset_name: str, split: str) -> str:
+    return self._join(_TOKEN_CACHE, f'{dataset_name.replace("/", "_")}-{split}.npz')
+
+  def hypotheses_file(self, source_path: str, checkpoint: object, beam_size: int) -> str:
+    return self._join(_HYPOTHESES, f'{os.path.basename(source_path)}.{checkpoint or "default"}'
+                      f'.beam{beam_size}.txt')
+
+  def check_not_a_file(self) -> None:
+    if os.path.exists(self.path) and not os.path.isdir(self.path):
+      raise UserInputError(f'--workdir={self.path} exists and is not a directory')
+
+  def read_run_config(self) -> dict:
+    """The saved {'config': ..., 'model': ...} of a trained workdir."""
+    if not os.path.exists(self.config_file):
+      raise FileNotFoundError(f'{self.config_file} not found: is {self.path} a training workdir?')
+    return self.read_run_config_if_present()
+
+  def read_run_config_if_present(self) -> dict | None:
+    if not os.path.exists(self.config_file):
+      return None
+    with open(self.config_file) as f:
+      try:
+        saved = json.load(f)
+      except json.JSONDecodeError as error:
+        raise UserInputError(f'{self.config_file}: not valid JSON ({error})') from None
+    if not isinstance(saved, dict):
+      raise UserInputError(f'{self.config_file}: expected a JSON object')
+    return saved
+
+  def write_run_config(self, resolved: dict) -> None:
+    tmp = self.config_file + '.tmp'
+    with open(tmp, 'w') as f:
+      json.dump(resolved, f, indent=2, sort_keys=True)
+    os.replace(tmp, self.config_file)  # Never a half-written config.
+
+  def lock(self, process_index: int = 0) -> 'WorkdirLock':
+    """The lock a training process holds: `with workdir.lock(jax.process_index()): ...`."""
+    # Process 0 of a multi-process job takes the same lock as a single-process run; the
+    # others (which may share the workdir on one machine) each take their own.
+    name = _LOCK_FILE if process_index == 0 else f'{_LOCK_FILE}.process{process_index}'
+    return WorkdirLock(self._join(name))
+
+
+class WorkdirLock:
+  """Context manager holding an exclusive lock file; refuses if another process holds it."""
+
+  def __init__(self, path: str):
+    self.path = path
+    self._file = None
+
+  def acquire(self) -> 'WorkdirLock':
+    os.makedirs(os.path.dirname(self.path), exist_ok=True)
+    handle = open(self.path, 'a+')
+    try:
+      fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as error:
+      handle.seek(0)
+      holder = handle.read().strip() or 'another process'
+      handle.close()
+      if error.errno in (errno.EAGAIN, errno.EACCES):
+        raise UserInputError(f'{os.path.dirname(self.path)} is in use by a running training '
+                             f'process ({holder}); wait for it to finish or use another '
+                             '--workdir') from None
+      raise
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f'pid {os.getpid()} on {os.uname().nodename}\n')
+    handle.flush()
+    self._file = handle
+    return self
+
+  def release(self) -> None:
+    if self._file is not None:
+      fcntl.flock(self._file.fileno(), fcntl.LOCK_UN)
+      self._file.close()
+      self._file = None
+
+  def __enter__(self) -> 'WorkdirLock':
+    return self.acquire()
+
+  def __exit__(self, *exc) -> None:
+    self.release()
