@@ -16,7 +16,7 @@ concatenated at run time), `dropout_bits16` (dropout masks from 16 random bits p
 instead of 32), `onehot_loss` (the label-smoothed loss through a [batch, length, vocab]
 one-hot matrix, as the loss was before it avoided one) and `autodiff_kernel_grads` (projection
 kernel gradients as autodiff writes them, a product contracting both operands' leading axis,
-as they were before `models._matmul_row_major_grads`). `threefry_unpartitionable` traces with
+as they were before `matmul._matmul_row_major_grads`). `threefry_unpartitionable` traces with
 `jax.threefry_partitionable(False)` (JAX's older, non-partitionable random-bit generation).
 
 The process reuses freed host memory (`host_memory.reuse_freed_memory`), as train.py does.
@@ -38,7 +38,7 @@ import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 from transformer_jax.configs import default  # noqa: E402
-from transformer_jax import host_memory, models, train_lib  # noqa: E402
+from transformer_jax import host_memory, matmul, models, train_lib  # noqa: E402
 from transformer_jax.benchmark import flops as flop_count  # noqa: E402
 from transformer_jax.benchmark import training  # noqa: E402
 
@@ -130,7 +130,7 @@ def _traced_config(variant):
 @contextlib.contextmanager
 def _patched(variant):
   saved = (flax_stochastic.random.bernoulli, train_lib.label_smoothed_cross_entropy,
-           models.MultiHeadAttention.__call__, models.row_major_kernel_grads)
+           models.MultiHeadAttention.__call__, matmul.row_major_kernel_grads)
   try:
     if variant == 'dropout_bits16':
       flax_stochastic.random.bernoulli = _bernoulli_from_16_bits
@@ -141,12 +141,12 @@ def _patched(variant):
     elif variant == 'fused_qkv':
       models.MultiHeadAttention.__call__ = _fused_qkv_attention(saved[2])
     elif variant == 'autodiff_kernel_grads':
-      models.row_major_kernel_grads = lambda: False
+      matmul.row_major_kernel_grads = lambda: False
     with _traced_config(variant):
       yield
   finally:
     (flax_stochastic.random.bernoulli, train_lib.label_smoothed_cross_entropy,
-     models.MultiHeadAttention.__call__, models.row_major_kernel_grads) = saved
+     models.MultiHeadAttention.__call__, matmul.row_major_kernel_grads) = saved
 
 
 def main(argv):

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from flax.linen import meta
 
-from transformer_jax import inference, models
+from transformer_jax import inference, matmul
 from transformer_jax.config import TransformerConfig
 from transformer_jax.data.tokenizer import BOS_ID, EOS_ID
 from transformer_jax.models import (
@@ -146,7 +146,7 @@ def test_projection_gradients_equal_plain_dot_general(features, num_in_axes, in_
   # The CPU path's custom VJP (explicit transposes for the kernel gradient) must give exactly
   # the gradients of the one-line contraction it replaces; accelerators take that contraction
   # itself (the switch is flipped here; the arithmetic still runs on CPU).
-  monkeypatch.setattr(models, 'row_major_kernel_grads', lambda: row_major)
+  monkeypatch.setattr(matmul, 'row_major_kernel_grads', lambda: row_major)
   rng = np.random.default_rng(0)
   x = jnp.asarray(rng.normal(size=(2, 3, *in_shape)), jnp.float32)
   layer = Projection(features, num_in_axes, ('a',) * (num_in_axes + len(features)))

@@ -32,7 +32,7 @@ from transformer_jax.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
 from transformer_jax.decode import strip_after_eos
 from transformer_jax.errors import CorruptCheckpointError, NonFiniteError
 from transformer_jax.losses import label_smoothed_cross_entropy
-from transformer_jax.metric_writers import MetricWriter, format_duration, log
+from transformer_jax.metric_writers import MetricWriter, TrainingLog, format_duration, log
 from transformer_jax.models import Transformer
 from transformer_jax.optim import make_optimizer
 from transformer_jax.run_config import model_config_from, save_run_config, validate_run_config
@@ -315,49 +315,6 @@ class _PreemptionFlag:
       signal.signal(signum, handler)
 
 
-class _TrainingLog:
-  """Training metrics of the steps since the last log line: to the console and TensorBoard.
-
-  Keeps the device metrics of each step and fetches them only every `log_every_steps`, so
-  logging never waits for the device mid-window.
-  """
-
-  def __init__(self, writer: MetricWriter, num_train_steps: int, start_step: int):
-    self._writer, self._num_train_steps = writer, num_train_steps
-    self._pending = []
-    self.restart_clock(start_step)
-
-  def restart_clock(self, step: int | None = None) -> None:
-    """Starts the throughput window now (evaluation and checkpointing are not training)."""
-    self._window_start = time.time()
-    if step is not None:
-      self._window_step = step
-
-  def add(self, metrics: dict) -> None:
-    self._pending.append(metrics)
-
-  def write(self, step: int, skipped_steps: int) -> None:
-    totals, self._pending = jax.device_get(self._pending), []
-    tokens = sum(float(m['token_count']) for m in totals)
-    loss = sum(float(m['loss_sum']) for m in totals
-               if np.isfinite(m['loss_sum'])) / max(tokens, 1.0)
-    elapsed = max(time.time() - self._window_start, 1e-9)
-    steps_per_second = (step - self._window_step) / elapsed
-    scalars = {'train/loss': loss, 'train/learning_rate': float(totals[-1]['learning_rate']),
-               'train/grad_norm': float(totals[-1]['grad_norm']),
-               'train/target_tokens_per_second': tokens / elapsed,
-               'train/steps_per_second': steps_per_second,
-               'train/skipped_steps': float(skipped_steps)}
-    self._writer.write_scalars(step, scalars)
-    eta = (self._num_train_steps - step) / max(steps_per_second, 1e-9)
-    log(f'step {step}/{self._num_train_steps} | loss {loss:.4f} | '
-        f'lr {scalars["train/learning_rate"]:.2e} | '
-        f'{scalars["train/target_tokens_per_second"]:,.0f} tok/s | '
-        f'{steps_per_second:.2f} steps/s | ETA {format_duration(eta)}'
-        + (f' | {skipped_steps} non-finite steps skipped' if skipped_steps else ''))
-    self.restart_clock(step)
-
-
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   """Trains (resuming from the workdir's latest checkpoint if any), evaluates, checkpoints.
 
@@ -468,7 +425,7 @@ def _loop(run: _Run, preemption: _PreemptionFlag, workdir: Workdir) -> dict[str,
   start_step = step = int(state.step)
   num_params = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
   log(f'model: {num_params:,} parameters, {run.model_config}')
-  training_log = _TrainingLog(run.writer, config.num_train_steps, start_step)
+  training_log = TrainingLog(run.writer, config.num_train_steps, start_step)
   eval_metrics: dict[str, float] = {}
   previous_metrics = None
   for step in range(start_step + 1, config.num_train_steps + 1):

@@ -1,0 +1,75 @@
+"""The projections' matrix product, with a CPU-only custom gradient behind one switch.
+
+`project(x, kernel, num_in_axes)` contracts the last `num_in_axes` axes of x with the leading
+axes of kernel. Where `row_major_kernel_grads()` (XLA:CPU) it computes the kernel gradient as a
+plain row-major product (see `_matmul_row_major_grads`); elsewhere it is `contract`, gradients
+by autodiff. Both give the same gradients (tests/models_test.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+
+
+@jax.custom_vjp
+def _matmul_row_major_grads(x, kernel):
+  """x @ kernel ([n, i] @ [i, o] -> [n, o]) whose kernel gradient is a plain row-major product.
+
+  Autodiff's kernel gradient x^T @ dy contracts the leading (token) axis of both operands.
+  XLA:CPU hands such a transposed-operand product to a slower Eigen kernel, while its YNNPACK
+  kernels take only products whose left operand contracts its minor axis. Transposing the
+  smaller operand explicitly (optimisation barriers stop XLA from folding the transpose back
+  into the dot) costs one memory pass and makes training steps faster (measured in
+  bench/README.md, "Optimisations tried"). The forward and the input gradient are already in
+  the fast form.
+  """
+  return x @ kernel
+
+
+def _matmul_row_major_grads_fwd(x, kernel):
+  return x @ kernel, (x, kernel)
+
+
+def _matmul_row_major_grads_bwd(residuals, dy):
+  x, kernel = residuals  # [n, i], [i, o]; dy: [n, o]
+  barrier = jax.lax.optimization_barrier
+  dx = jax.lax.dot_general(dy, kernel, (((1,), (1,)), ((), ())))  # [n, i]
+  if x.shape[1] <= dy.shape[1]:
+    dkernel = barrier(x.T) @ dy  # [i, n] @ [n, o]
+  else:
+    # Transpose dy instead (the FFN's output projection: dy [n, m] is 4x smaller than
+    # x [n, d_ff]), then the small [o, i] result.
+    dkernel = barrier(barrier(dy.T) @ x).T  # ([o, n] @ [n, i])^T
+  return dx, dkernel
+
+
+_matmul_row_major_grads.defvjp(_matmul_row_major_grads_fwd, _matmul_row_major_grads_bwd)
+
+
+def contract(x, kernel, num_in_axes: int):
+  """The last `num_in_axes` axes of x with the leading axes of kernel, gradients by autodiff."""
+  return jax.lax.dot_general(x, kernel, ((tuple(range(x.ndim - num_in_axes, x.ndim)),
+                                          tuple(range(num_in_axes))), ((), ())))
+
+
+def row_major_kernel_grads() -> bool:
+  """The switch for `_matmul_row_major_grads`: on for XLA:CPU only.
+
+  GPU/TPU matmul units read transposed operands natively; an explicit transpose would only add
+  a memory pass and block fusion. Read at trace time (tests and bench/levers.py patch it).
+  """
+  return jax.default_backend() == 'cpu'
+
+
+def project(x, kernel, num_in_axes: int):
+  """`contract`, with row-major kernel gradients where `row_major_kernel_grads()`."""
+  if not row_major_kernel_grads():
+    return contract(x, kernel, num_in_axes)
+  batch_shape = x.shape[:x.ndim - num_in_axes]
+  in_size = math.prod(kernel.shape[:num_in_axes])
+  out_shape = kernel.shape[num_in_axes:]
+  # [..., *in] -> [n, i] and [*in, *out] -> [i, o]: row-major merges, no data movement.
+  y = _matmul_row_major_grads(x.reshape(-1, in_size), kernel.reshape(in_size, -1))
+  return y.reshape(*batch_shape, *out_shape)
