@@ -14,15 +14,21 @@ from transformer_jax.configs import default_config_file
 FLAGS = flags.FLAGS
 flags.DEFINE_string('workdir', None, 'Directory for checkpoints, vocabulary, config and logs.')
 cli.define_config_flag(default_config_file(), 'Training configuration file.')
-flags.DEFINE_string('coordinator_address', None,
-                    'host:port of process 0, to run as one of several processes (multi-GPU '
-                    'hosts, processes launched by hand); needs --num_processes, --process_id.')
+flags.DEFINE_string(
+  'coordinator_address',
+  None,
+  'host:port of process 0, to run as one of several processes (multi-GPU '
+  'hosts, processes launched by hand); needs --num_processes, --process_id.',
+)
 flags.DEFINE_integer('num_processes', None, 'Number of processes in the job.')
-flags.DEFINE_integer('process_id', None, 'This process\'s index in the job (0 writes logs).')
-flags.DEFINE_bool('jax_distributed', False,
-                  'Call jax.distributed.initialize() and let it find the other processes '
-                  '(Cloud TPU, SLURM, Open MPI). Automatic where the environment shows a '
-                  'multi-process job.')
+flags.DEFINE_integer('process_id', None, "This process's index in the job (0 writes logs).")
+flags.DEFINE_bool(
+  'jax_distributed',
+  False,
+  'Call jax.distributed.initialize() and let it find the other processes '
+  '(Cloud TPU, SLURM, Open MPI). Automatic where the environment shows a '
+  'multi-process job.',
+)
 flags.mark_flags_as_required(['workdir'])
 
 
@@ -30,8 +36,9 @@ def main(argv):
   del argv
   config = cli.loaded_config(FLAGS)
   host_memory.reuse_freed_memory_if_configured(config)  # Before JAX starts threads.
-  sharding.initialize_distributed(FLAGS.coordinator_address, FLAGS.num_processes,
-                                  FLAGS.process_id, force=FLAGS.jax_distributed)
+  sharding.initialize_distributed(
+    FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id, force=FLAGS.jax_distributed
+  )
   train_lib.train_and_evaluate(config, FLAGS.workdir)
 
 

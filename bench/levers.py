@@ -37,28 +37,42 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
-from transformer_jax.configs import default  # noqa: E402
 from transformer_jax import host_memory, matmul, models, train_lib  # noqa: E402
 from transformer_jax.benchmark import flops as flop_count  # noqa: E402
 from transformer_jax.benchmark import training  # noqa: E402
+from transformer_jax.configs import default  # noqa: E402
 
 flags.DEFINE_string('size', 'small', 'tiny, small or base (see transformer_jax.benchmark)')
-flags.DEFINE_list('variants', ['baseline', 'fused_qkv', 'onehot_loss', 'dropout_bits16',
-                               'no_attention_dropout', 'xla_attention', 'no_dropout', 'remat'],
-                  'variants to compare; the first is the reference')
+flags.DEFINE_list(
+  'variants',
+  [
+    'baseline',
+    'fused_qkv',
+    'onehot_loss',
+    'dropout_bits16',
+    'no_attention_dropout',
+    'xla_attention',
+    'no_dropout',
+    'remat',
+  ],
+  'variants to compare; the first is the reference',
+)
 flags.DEFINE_integer('rounds', 6, 'timing rounds (each times every variant)')
 flags.DEFINE_integer('steps', 3, 'steps per variant per round')
 FLAGS = flags.FLAGS
 
 _CONFIG_CHANGES = {
-    'baseline': {},
-    'no_dropout': dict(dropout_rate=0.0, attention_dropout_rate=0.0),
-    'no_attention_dropout': dict(attention_dropout_rate=0.0),
-    'xla_attention': dict(attention_dropout_rate=0.0, attention_impl='xla'),
-    'remat': dict(remat=True),
-    'fused_qkv': {}, 'dropout_bits16': {}, 'onehot_loss': {}, 'autodiff_kernel_grads': {},
-    'rbg_dropout': {},
-    'threefry_unpartitionable': {},
+  'baseline': {},
+  'no_dropout': dict(dropout_rate=0.0, attention_dropout_rate=0.0),
+  'no_attention_dropout': dict(attention_dropout_rate=0.0),
+  'xla_attention': dict(attention_dropout_rate=0.0, attention_impl='xla'),
+  'remat': dict(remat=True),
+  'fused_qkv': {},
+  'dropout_bits16': {},
+  'onehot_loss': {},
+  'autodiff_kernel_grads': {},
+  'rbg_dropout': {},
+  'threefry_unpartitionable': {},
 }
 
 
@@ -82,31 +96,40 @@ def _bernoulli_rbg(key, p, shape):
 
 
 def _bernoulli_from_16_bits(key, p, shape):
-  return jax.random.bits(key, shape, jnp.uint16) < int(round(float(p) * 2 ** 16))
+  return jax.random.bits(key, shape, jnp.uint16) < int(round(float(p) * 2**16))
 
 
 class _Kernel(nn.Module):
   """Just the kernel of a `models.Projection` (same name and shape, so the same params)."""
+
   shape: tuple
 
   @nn.compact
   def __call__(self):
-    init = nn.initializers.variance_scaling(1.0, 'fan_avg', 'uniform', in_axis=(0,),
-                                            out_axis=(1, 2))
+    init = nn.initializers.variance_scaling(
+      1.0, 'fan_avg', 'uniform', in_axis=(0,), out_axis=(1, 2)
+    )
     return self.param('kernel', init, self.shape, jnp.float32)
 
 
 def _fused_qkv_attention(original):
-  def call(self, query_inputs, kv_inputs, mask, deterministic, use_cache=False,
-           decode_position=None):
+  def call(
+    self, query_inputs, kv_inputs, mask, deterministic, use_cache=False, decode_position=None
+  ):
     cfg = self.config
     if self.kind != 'self' or use_cache:
-      return original(self, query_inputs, kv_inputs, mask, deterministic, use_cache,
-                       decode_position)
+      return original(
+        self, query_inputs, kv_inputs, mask, deterministic, use_cache, decode_position
+      )
     d_model, dtype = query_inputs.shape[-1], cfg.compute_dtype
-    kernels = [_Kernel((d_model, cfg.num_heads, size), name=name)()
-               for name, size in (('query', cfg.head_qk_dim), ('key', cfg.head_qk_dim),
-                                  ('value', cfg.head_v_dim))]
+    kernels = [
+      _Kernel((d_model, cfg.num_heads, size), name=name)()
+      for name, size in (
+        ('query', cfg.head_qk_dim),
+        ('key', cfg.head_qk_dim),
+        ('value', cfg.head_v_dim),
+      )
+    ]
     kernel = jnp.concatenate(kernels, axis=-1).astype(dtype)  # [m, h, 2 d_k + d_v]
     qkv = jnp.einsum('btm,mhd->bthd', query_inputs.astype(dtype), kernel)
     query, key, value = jnp.split(qkv, [cfg.head_qk_dim, 2 * cfg.head_qk_dim], axis=-1)
@@ -114,8 +137,10 @@ def _fused_qkv_attention(original):
     if cfg.attention_dropout_rate > 0.0 and not deterministic:
       weights = nn.Dropout(cfg.attention_dropout_rate)(weights, deterministic=False)
     heads = jnp.einsum('bhqk,bkhd->bqhd', weights.astype(dtype), value)
-    return models.Projection((cfg.d_model,), 2, ('heads', 'kv', 'embed'), dtype,
-                             use_bias=False, name='out')(heads)
+    return models.Projection(
+      (cfg.d_model,), 2, ('heads', 'kv', 'embed'), dtype, use_bias=False, name='out'
+    )(heads)
+
   return call
 
 
@@ -129,8 +154,12 @@ def _traced_config(variant):
 
 @contextlib.contextmanager
 def _patched(variant):
-  saved = (flax_stochastic.random.bernoulli, train_lib.label_smoothed_cross_entropy,
-           models.MultiHeadAttention.__call__, matmul.row_major_kernel_grads)
+  saved = (
+    flax_stochastic.random.bernoulli,
+    train_lib.label_smoothed_cross_entropy,
+    models.MultiHeadAttention.__call__,
+    matmul.row_major_kernel_grads,
+  )
   try:
     if variant == 'dropout_bits16':
       flax_stochastic.random.bernoulli = _bernoulli_from_16_bits
@@ -145,8 +174,12 @@ def _patched(variant):
     with _traced_config(variant):
       yield
   finally:
-    (flax_stochastic.random.bernoulli, train_lib.label_smoothed_cross_entropy,
-     models.MultiHeadAttention.__call__, matmul.row_major_kernel_grads) = saved
+    (
+      flax_stochastic.random.bernoulli,
+      train_lib.label_smoothed_cross_entropy,
+      models.MultiHeadAttention.__call__,
+      matmul.row_major_kernel_grads,
+    ) = saved
 
 
 def main(argv):
@@ -157,24 +190,33 @@ def main(argv):
     raise app.UsageError(f'unknown variant(s) {unknown}; known: {sorted(_CONFIG_CHANGES)}')
   spec = training.size_spec(FLAGS.size, default.get_config(), dtype='float32')
   rng = np.random.default_rng(0)
-  batches = [training.synthetic_batch(rng, spec.rows_per_device, spec.source_length,
-                                       spec.target_length, spec.model_config.vocab_size)
-             for _ in range(2)]
-  flops = flop_count.training_flops(spec.model_config,
-                                   [spec.source_length] * spec.rows_per_device,
-                                   [spec.target_length] * spec.rows_per_device)['total']
+  batches = [
+    training.synthetic_batch(
+      rng,
+      spec.rows_per_device,
+      spec.source_length,
+      spec.target_length,
+      spec.model_config.vocab_size,
+    )
+    for _ in range(2)
+  ]
+  flops = flop_count.training_flops(
+    spec.model_config,
+    [spec.source_length] * spec.rows_per_device,
+    [spec.target_length] * spec.rows_per_device,
+  )['total']
   runs = {}
   for variant in FLAGS.variants:
     variant_spec = dataclasses.replace(
-        spec, model_config=spec.model_config.replace(**_CONFIG_CHANGES[variant]))
+      spec, model_config=spec.model_config.replace(**_CONFIG_CHANGES[variant])
+    )
     with _patched(variant):  # Patches matter while tracing, i.e. during the first step.
       trainer = train_lib.Trainer(variant_spec.config, variant_spec.model_config)
       state = trainer.init_state(0)
       start = time.perf_counter()
       state, metrics = trainer.step(state, batches[0])
       jax.block_until_ready(metrics)
-    runs[variant] = dict(trainer=trainer, state=state, first=time.perf_counter() - start,
-                         times=[])
+    runs[variant] = dict(trainer=trainer, state=state, first=time.perf_counter() - start, times=[])
     print(f'compiled {variant} ({runs[variant]["first"]:.1f} s)', flush=True)
   peaks = []
   for _ in range(FLAGS.rounds):
@@ -189,15 +231,21 @@ def main(argv):
         run['times'].append(time.perf_counter() - start)
   peak = max(peaks)
   reference = runs[FLAGS.variants[0]]['times']
-  print(f'\n{FLAGS.size}: {FLAGS.rounds} rounds x {FLAGS.steps} steps, peak '
-        f'{peak / 1e9:.0f} GFLOP/s, XLA_FLAGS={os.environ.get("XLA_FLAGS", "")!r}')
-  print(f'{"variant":22s} {"min step":>9s} {"median":>8s} {"MFU(min)":>9s} {"speed(min)":>11s} '
-        f'{"speed(median)":>14s}')
+  print(
+    f'\n{FLAGS.size}: {FLAGS.rounds} rounds x {FLAGS.steps} steps, peak '
+    f'{peak / 1e9:.0f} GFLOP/s, XLA_FLAGS={os.environ.get("XLA_FLAGS", "")!r}'
+  )
+  print(
+    f'{"variant":22s} {"min step":>9s} {"median":>8s} {"MFU(min)":>9s} {"speed(min)":>11s} '
+    f'{"speed(median)":>14s}'
+  )
   for variant in FLAGS.variants:
     times = runs[variant]['times']
-    print(f'{variant:22s} {min(times):8.3f}s {np.median(times):7.3f}s '
-          f'{flops / min(times) / peak:9.1%} {min(reference) / min(times):10.3f}x '
-          f'{np.median(reference) / np.median(times):13.3f}x')
+    print(
+      f'{variant:22s} {min(times):8.3f}s {np.median(times):7.3f}s '
+      f'{flops / min(times) / peak:9.1%} {min(reference) / min(times):10.3f}x '
+      f'{np.median(reference) / np.median(times):13.3f}x'
+    )
 
 
 if __name__ == '__main__':

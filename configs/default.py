@@ -155,25 +155,25 @@ def get_config() -> ml_collections.ConfigDict:
   # every layout, since a mesh axis of size 1 splits nothing. A dimension that an axis's size
   # does not divide (e.g. 4 heads on tensor=8) is replicated instead, with a log line.
   config.logical_axis_rules = (
-      # Activations: the batch over both data-carrying axes, jointly.
-      ('activation_batch', ('data', 'fsdp')),
-      # Sequence positions of activations: never split.
-      ('activation_length', None),
-      # Residual stream width of activations: replicated over 'tensor' (Megatron layout).
-      ('activation_embed', None),
-      # d_model dimension of every weight: FSDP shards parameters and optimiser state along it.
-      ('embed', 'fsdp'),
-      # Attention heads: q/k/v column-parallel, the output projection row-parallel.
-      ('heads', 'tensor'),
-      # FFN hidden units: wi column-parallel, wo row-parallel.
-      ('mlp', 'tensor'),
-      # Vocabulary rows of the (shared) embedding / output projection.
-      ('vocab', 'tensor'),
-      # Per-head query/key/value size: not split (heads already are).
-      ('kv', None),
-      # Learned position table rows: not split.
-      ('length', None),
-      # The scanned layer-stack axis: every device holds its share of every layer.
-      ('layers', None),
+    # Activations: the batch over both data-carrying axes, jointly.
+    ('activation_batch', ('data', 'fsdp')),
+    # Sequence positions of activations: never split.
+    ('activation_length', None),
+    # Residual stream width of activations: replicated over 'tensor' (Megatron layout).
+    ('activation_embed', None),
+    # d_model dimension of every weight: FSDP shards parameters and optimiser state along it.
+    ('embed', 'fsdp'),
+    # Attention heads: q/k/v column-parallel, the output projection row-parallel.
+    ('heads', 'tensor'),
+    # FFN hidden units: wi column-parallel, wo row-parallel.
+    ('mlp', 'tensor'),
+    # Vocabulary rows of the (shared) embedding / output projection.
+    ('vocab', 'tensor'),
+    # Per-head query/key/value size: not split (heads already are).
+    ('kv', None),
+    # Learned position table rows: not split.
+    ('length', None),
+    # The scanned layer-stack axis: every device holds its share of every layer.
+    ('layers', None),
   )
   return config

@@ -17,8 +17,9 @@ def get_config():
   config = default.get_config()
   config.dataset = 'text'
   # The shared data directory beside the repository checkout (override for your own copy).
-  config.data.dir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                 '..', 'shared', 'data', 'multi30k')
+  config.data.dir = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), '..', 'shared', 'data', 'multi30k'
+  )
   config.data.src_lang = 'en'
   config.data.tgt_lang = 'de'
   # The text dataset's splits: valid.* becomes 'validation'.

@@ -13,9 +13,14 @@ from conftest import REPO_ROOT
 
 PACKAGE = pathlib.Path(REPO_ROOT) / 'transformer_jax'
 # `python -m transformer_jax.X`: thin shells over library calls (train.py is one too, outside).
-COMMANDS = {'transformer_jax.translate', 'transformer_jax.evaluate', 'transformer_jax.average',
-            'transformer_jax.plot_attention', 'transformer_jax.prepare_data',
-            'transformer_jax.benchmark.__main__'}
+COMMANDS = {
+  'transformer_jax.translate',
+  'transformer_jax.evaluate',
+  'transformer_jax.average',
+  'transformer_jax.plot_attention',
+  'transformer_jax.prepare_data',
+  'transformer_jax.benchmark.__main__',
+}
 # Modules allowed to define or parse flags besides the commands.
 FLAG_MODULES = {'transformer_jax.cli'}
 
@@ -41,8 +46,11 @@ def _imports(path: pathlib.Path) -> set[str]:
     elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
       names.add(node.module)
       # `from transformer_jax import inference` imports the module transformer_jax.inference.
-      names.update(f'{node.module}.{alias.name}' for alias in node.names
-                   if f'{node.module}.{alias.name}' in MODULES)
+      names.update(
+        f'{node.module}.{alias.name}'
+        for alias in node.names
+        if f'{node.module}.{alias.name}' in MODULES
+      )
   return names
 
 
@@ -82,32 +90,51 @@ def test_a_command_is_a_thin_shell(name):
 
 
 def test_only_checkpointing_imports_orbax():
-  importers = {name for name, path in MODULES.items()
-               if any(i.split('.')[0] == 'orbax' for i in _imports(path))}
+  importers = {
+    name
+    for name, path in MODULES.items()
+    if any(i.split('.')[0] == 'orbax' for i in _imports(path))
+  }
   assert importers == {'transformer_jax.checkpointing'}
 
 
 def test_search_never_imports_the_model_and_batching_never_imports_jax():
-  assert not {i for i in _imports(MODULES['transformer_jax.decode'])
-              if i.startswith('transformer_jax')}
+  assert not {
+    i for i in _imports(MODULES['transformer_jax.decode']) if i.startswith('transformer_jax')
+  }
   batching_imports = _imports(MODULES['transformer_jax.data.batching'])
   assert not {i for i in batching_imports if i.split('.')[0] in ('jax', 'flax')}
 
 
 # The workdir's on-disk names, as string literals: each must appear in workdir.py and nowhere
 # else in the package (tests, docs and configs may name them).
-WORKDIR_NAMES = ('config.json', 'vocab.model', 'checkpoints', 'averaged', 'damaged_checkpoints',
-                 'tensorboard', 'token_cache', 'hypotheses', '.lock')
+WORKDIR_NAMES = (
+  'config.json',
+  'vocab.model',
+  'checkpoints',
+  'averaged',
+  'damaged_checkpoints',
+  'tensorboard',
+  'token_cache',
+  'hypotheses',
+  '.lock',
+)
 
 
 def _string_literals(path: pathlib.Path) -> set[str]:
   tree = ast.parse(path.read_text(), str(path))
-  docstrings = {id(node.body[0].value) for node in ast.walk(tree)
-                if isinstance(node, (ast.Module, ast.FunctionDef, ast.ClassDef))
-                and node.body and isinstance(node.body[0], ast.Expr)}
-  return {node.value for node in ast.walk(tree)
-          if isinstance(node, ast.Constant) and isinstance(node.value, str)
-          and id(node) not in docstrings}
+  docstrings = {
+    id(node.body[0].value)
+    for node in ast.walk(tree)
+    if isinstance(node, (ast.Module, ast.FunctionDef, ast.ClassDef))
+    and node.body
+    and isinstance(node.body[0], ast.Expr)
+  }
+  return {
+    node.value
+    for node in ast.walk(tree)
+    if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
+  }
 
 
 # `--checkpoint=averaged` names a choice of parameters, not a path: parsed in cli, resolved to
@@ -117,9 +144,13 @@ _ALSO_A_FLAG_VALUE = {'averaged': {'transformer_jax.cli', 'transformer_jax.infer
 
 @pytest.mark.parametrize('name', WORKDIR_NAMES)
 def test_each_workdir_name_lives_in_workdir_py_alone(name):
-  owners = {module for module, path in MODULES.items()
-            if any(re.search(rf'(^|[/.]){re.escape(name)}($|[/])', literal)
-                   for literal in _string_literals(path))}
+  owners = {
+    module
+    for module, path in MODULES.items()
+    if any(
+      re.search(rf'(^|[/.]){re.escape(name)}($|[/])', literal) for literal in _string_literals(path)
+    )
+  }
   assert owners - _ALSO_A_FLAG_VALUE.get(name, set()) == {'transformer_jax.workdir'}, owners
 
 

@@ -23,20 +23,24 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 class KeyedTrainState(train_state.TrainState):
   """Fields as the training loop's state: step, params, opt_state, dropout_rng."""
+
   dropout_rng: jax.Array
 
 
 def _state(params, step):
-  state = KeyedTrainState.create(apply_fn=None, params=params, tx=optax.adam(1e-3),
-                                 dropout_rng=jax.random.PRNGKey(step))
+  state = KeyedTrainState.create(
+    apply_fn=None, params=params, tx=optax.adam(1e-3), dropout_rng=jax.random.PRNGKey(step)
+  )
   return state.replace(step=jnp.asarray(step, jnp.int32))
 
 
 def _params(value, noise):
   return {
-      'dense': {'kernel': jnp.asarray(noise, jnp.float32),
-                'bias': jnp.full((4,), value, jnp.float32)},
-      'embed': jnp.full((5, 2), value, jnp.bfloat16),
+    'dense': {
+      'kernel': jnp.asarray(noise, jnp.float32),
+      'bias': jnp.full((4,), value, jnp.float32),
+    },
+    'embed': jnp.full((5, 2), value, jnp.bfloat16),
   }
 
 
@@ -55,8 +59,8 @@ def _write_workdir(workdir, steps, seed=0):
 def _restore_averaged(workdir, written):
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   abstract = jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
-      next(iter(written.values())))
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), next(iter(written.values()))
+  )
   return restore_params_from(Workdir(workdir).averaged, abstract)
 
 
@@ -66,16 +70,17 @@ def test_two_checkpoints_mean(tmp_path):
   result = average_checkpoints(workdir, last=2)
   assert result['averaged_steps'] == [1, 2] and result['latest_step'] == 2
   assert result['path'] == Workdir(workdir).averaged
-  assert read_metadata(result['path']) == {'averaged_steps': [1, 2], 'latest_step': 2,
-                                           'last_requested': 2}
+  assert read_metadata(result['path']) == {
+    'averaged_steps': [1, 2],
+    'latest_step': 2,
+    'last_requested': 2,
+  }
   averaged = _restore_averaged(workdir, written)
   # Constant leaves 1.0 and 3.0 average to exactly 2.0, in float32 and bfloat16 alike.
   np.testing.assert_array_equal(np.asarray(averaged['dense']['bias']), np.full((4,), 2.0))
   assert averaged['embed'].dtype == jnp.bfloat16
-  np.testing.assert_array_equal(np.asarray(averaged['embed'], np.float32),
-                                np.full((5, 2), 2.0))
-  expected = (written[1]['dense']['kernel'].astype(np.float64)
-              + written[2]['dense']['kernel']) / 2
+  np.testing.assert_array_equal(np.asarray(averaged['embed'], np.float32), np.full((5, 2), 2.0))
+  expected = (written[1]['dense']['kernel'].astype(np.float64) + written[2]['dense']['kernel']) / 2
   kernel = np.asarray(averaged['dense']['kernel'])
   assert kernel.dtype == np.float32
   np.testing.assert_allclose(kernel, expected, rtol=0, atol=1e-7)
@@ -133,8 +138,13 @@ def test_mismatched_checkpoints_rejected(tmp_path):
 def _run_cli(*args):
   env = dict(os.environ, JAX_PLATFORMS='cpu')
   env['PYTHONPATH'] = REPO_ROOT + os.pathsep + env.get('PYTHONPATH', '')
-  return subprocess.run([sys.executable, '-m', 'transformer_jax.average', *args],
-                        env=env, capture_output=True, text=True, timeout=120)
+  return subprocess.run(
+    [sys.executable, '-m', 'transformer_jax.average', *args],
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
 
 
 def test_cli(tmp_path):

@@ -58,19 +58,31 @@ def data():
   np.testing.assert_array_equal(got_source, source)
   np.testing.assert_array_equal(got_target, target)
   eligible = np.flatnonzero(np.maximum(source, target) <= MAX_LENGTH)
-  return {'split': split, 'source': source, 'target': target, 'eligible': eligible,
-          'long': np.flatnonzero(np.maximum(source, target) > MAX_LENGTH)}
+  return {
+    'split': split,
+    'source': source,
+    'target': target,
+    'eligible': eligible,
+    'long': np.flatnonzero(np.maximum(source, target) > MAX_LENGTH),
+  }
 
 
 def _plan(data, seed=SEED, tokens=TOKENS, row_multiple=1):
-  return TokenBudgetPlan(data['source'], data['target'], tokens_per_batch=tokens,
-                         max_length=MAX_LENGTH, seed=seed, row_multiple=row_multiple)
+  return TokenBudgetPlan(
+    data['source'],
+    data['target'],
+    tokens_per_batch=tokens,
+    max_length=MAX_LENGTH,
+    seed=seed,
+    row_multiple=row_multiple,
+  )
 
 
 def _expected_epoch_size(plan):
   """Full batches per bucket plus one partly empty batch per bucket with leftovers."""
-  counts = np.bincount([plan.bucket_of(int(n)) for n in plan.lengths[plan.eligible]],
-                       minlength=len(plan.buckets))
+  counts = np.bincount(
+    [plan.bucket_of(int(n)) for n in plan.lengths[plan.eligible]], minlength=len(plan.buckets)
+  )
   return int(sum(-(-count // rows) for count, rows in zip(counts, plan.rows)))
 
 
@@ -79,12 +91,14 @@ def _take(iterator, count):
 
 
 def _expected_arrays(split, members, rows, length):
-  expected = {'inputs': np.zeros((rows, length), np.int32),
-              'targets': np.zeros((rows, length), np.int32)}
+  expected = {
+    'inputs': np.zeros((rows, length), np.int32),
+    'targets': np.zeros((rows, length), np.int32),
+  }
   for row, index in enumerate(members):
     example = split[int(index)]
     for side in ('inputs', 'targets'):
-      expected[side][row, :len(example[side])] = example[side]
+      expected[side][row, : len(example[side])] = example[side]
   return expected
 
 
@@ -97,7 +111,10 @@ def _assert_same_batches(got, want):
 
 # 1. Bucket lengths.
 
-@pytest.mark.parametrize('max_length, expected', [
+
+@pytest.mark.parametrize(
+  'max_length, expected',
+  [
     (5, [5]),
     (8, [8]),
     (20, [8, 12, 20]),
@@ -106,7 +123,8 @@ def _assert_same_batches(got, want):
     (100, [8, 12, 20, 32, 48, 72, 100]),
     (256, [8, 12, 20, 32, 48, 72, 108, 164, 248, 256]),
     (512, [8, 12, 20, 32, 48, 72, 108, 164, 248, 372, 512]),
-])
+  ],
+)
 def test_bucket_lengths_pinned(max_length, expected):
   # Note: the docstring's example [8, 12, 16, 24, 32, 48, ...] is not what the code yields.
   lengths = bucket_lengths(max_length)
@@ -144,6 +162,7 @@ def test_eligibility(data):
 
 # 2. Token budget.
 
+
 @pytest.mark.parametrize('tokens, row_multiple', [(TOKENS, 1), (TOKENS, 8), (4096, 4), (40, 4)])
 def test_token_budget_never_exceeded(data, tokens, row_multiple):
   plan = _plan(data, tokens=tokens, row_multiple=row_multiple)
@@ -164,6 +183,7 @@ def test_token_budget_never_exceeded(data, tokens, row_multiple):
 
 
 # 3. Coverage, order, determinism.
+
 
 def test_every_eligible_example_once_per_epoch(data):
   plan = _plan(data)
@@ -186,6 +206,7 @@ def test_every_eligible_example_once_per_epoch(data):
 def test_plan_deterministic_in_seed(data):
   def listing(plan, epoch):
     return [(b, m.tolist()) for b, m in plan.epoch(epoch)]
+
   plan = _plan(data)
   for epoch in (0, 1, 2):
     assert listing(plan, epoch) == listing(_plan(data), epoch)
@@ -197,6 +218,7 @@ def test_plan_deterministic_in_seed(data):
 
 
 # 4. Padding.
+
 
 def test_padding_fraction_below_fixed_length(data):
   plan = _plan(data)
@@ -217,10 +239,12 @@ def test_padding_fraction_below_fixed_length(data):
 
 # 5. Iterator contents.
 
+
 def test_iterator_batches_match_plan(data):
   split = data['split']
-  iterator, plan = make_token_budget_iterator(split, tokens_per_batch=TOKENS,
-                                              max_length=MAX_LENGTH, seed=SEED)
+  iterator, plan = make_token_budget_iterator(
+    split, tokens_per_batch=TOKENS, max_length=MAX_LENGTH, seed=SEED
+  )
   size = len(plan.epoch(0))
   got = _take(iterator, size + 10)  # Crosses into epoch 1.
   want = [(b, m) for b, m in plan.epoch(0)] + [(b, m) for b, m in plan.epoch(1)[:10]]
@@ -235,31 +259,32 @@ def test_iterator_batches_match_plan(data):
     expected = _expected_arrays(split, members, rows, length)
     for side in ('inputs', 'targets'):
       np.testing.assert_array_equal(batch[side], expected[side])
-    assert not batch['inputs'][len(members):].any()
-    assert not batch['targets'][len(members):].any()
-    real = batch['inputs'][:len(members), 0]
+    assert not batch['inputs'][len(members) :].any()
+    assert not batch['targets'][len(members) :].any()
+    real = batch['inputs'][: len(members), 0]
     np.testing.assert_array_equal(real - 4, members)
-    np.testing.assert_array_equal(batch['targets'][:len(members), 0] - TARGET_ID_BASE, members)
+    np.testing.assert_array_equal(batch['targets'][: len(members), 0] - TARGET_ID_BASE, members)
     seen.append(real - 4)
   np.testing.assert_array_equal(np.sort(np.concatenate(seen[:size])), data['eligible'])
 
 
 # 6. Multi-process shards.
 
+
 @pytest.mark.parametrize('process_count', [2, 4])
 def test_process_shards_partition_each_batch(data, process_count):
   split = data['split']
   kwargs = dict(tokens_per_batch=TOKENS, max_length=MAX_LENGTH, seed=SEED, num_threads=1)
   # One process with process_count devices has the same row_multiple, so the same plan.
-  reference, plan = make_token_budget_iterator(split, devices_per_process=process_count,
-                                               **kwargs)
+  reference, plan = make_token_budget_iterator(split, devices_per_process=process_count, **kwargs)
   size = len(plan.epoch(0))
   count = size + 3
   want = _take(reference, count)
   shards = []
   for p in range(process_count):
     iterator, shard_plan = make_token_budget_iterator(
-        split, process_index=p, process_count=process_count, **kwargs)
+      split, process_index=p, process_count=process_count, **kwargs
+    )
     assert shard_plan.rows == plan.rows
     assert all(rows % process_count == 0 for rows in plan.rows)
     shards.append(_take(iterator, count))
@@ -271,9 +296,12 @@ def test_process_shards_partition_each_batch(data, process_count):
     assert shapes == {(plan.rows[bucket] // process_count, plan.buckets[bucket])}
     for side in ('inputs', 'targets'):
       np.testing.assert_array_equal(
-          np.concatenate([shards[p][k][side] for p in range(process_count)]), want[k][side])
-    ids = [set((s['inputs'][:, 0][s['inputs'][:, 0] > 0] - 4).tolist())
-           for s in (shards[p][k] for p in range(process_count))]
+        np.concatenate([shards[p][k][side] for p in range(process_count)]), want[k][side]
+      )
+    ids = [
+      set((s['inputs'][:, 0][s['inputs'][:, 0] > 0] - 4).tolist())
+      for s in (shards[p][k] for p in range(process_count))
+    ]
     for a in range(process_count):
       for b in range(a + 1, process_count):
         assert not ids[a] & ids[b]
@@ -281,6 +309,7 @@ def test_process_shards_partition_each_batch(data, process_count):
 
 
 # 7. Resume.
+
 
 @pytest.mark.parametrize('past_boundary', [False, True])
 def test_resume_from_state(data, past_boundary):
@@ -304,6 +333,7 @@ def test_resume_from_state(data, past_boundary):
 
 # 8. locate().
 
+
 def test_locate_consistent_with_epoch_sizes(data):
   plan = _plan(data)
   size = _expected_epoch_size(plan)
@@ -326,8 +356,7 @@ def test_planned_batches_use_global_counter(data):
   bucket, members = plan.epoch(1)[4]
   rows = plan.rows[bucket]
   batch = source[size + 4]
-  expected = _expected_arrays(data['split'], members[rows // 2:], rows // 2,
-                              plan.buckets[bucket])
+  expected = _expected_arrays(data['split'], members[rows // 2 :], rows // 2, plan.buckets[bucket])
   for side in ('inputs', 'targets'):
     np.testing.assert_array_equal(batch[side], expected[side])
 
@@ -340,7 +369,7 @@ def _reference_epoch(plan, epoch):
   pool_size = batching._POOL_BATCHES * max(plan.rows)
   pending, batches = {}, []
   for start in range(0, len(order), pool_size):
-    pool = order[start:start + pool_size]
+    pool = order[start : start + pool_size]
     for index in pool[np.argsort(plan.lengths[pool], kind='stable')]:
       bucket = plan.bucket_of(int(plan.lengths[index]))
       pending.setdefault(bucket, []).append(int(index))

@@ -1,4 +1,5 @@
-"""The benchmark: its FLOP formula by hand, its sizes, and the CLI end to end (no timings asserted)."""
+"""The benchmark: its FLOP formula by hand, its sizes, and the CLI end to end (no timings
+asserted)."""
 
 import json
 import os
@@ -30,14 +31,19 @@ def _abstract_params(cfg: TransformerConfig):
 
 
 def test_training_flops_equal_a_hand_computation():
-  cfg = TransformerConfig(vocab_size=10, d_model=4, d_ff=8, num_heads=2, num_encoder_layers=1,
-                          num_decoder_layers=2)
+  cfg = TransformerConfig(
+    vocab_size=10, d_model=4, d_ff=8, num_heads=2, num_encoder_layers=1, num_decoder_layers=2
+  )
   # Per attention: query, key, value, out = 4 x 4 each = 64; FFN: 2 x 4 x 8 = 64.
   # Encoder: 1 x (64 + 64) = 128. Decoder: 2 x (2 x 64 + 64) = 384, of which the
   # cross-attention key and value kernels (2 x 2 x 16 = 64) multiply source tokens.
   # Output: 4 x 10 = 40.
-  assert flop_count.matmul_params(cfg) == {'encoder': 128, 'decoder': 320,
-                                          'decoder_cross_kv': 64, 'output': 40}
+  assert flop_count.matmul_params(cfg) == {
+    'encoder': 128,
+    'decoder': 320,
+    'decoder_cross_kv': 64,
+    'output': 40,
+  }
   # Two rows: sources of 3 and 5 tokens (S = 8), targets of 2 and 4 (T = 6).
   flops = flop_count.training_flops(cfg, [3, 5], [2, 4])
   # Dense: 6 x ((128 + 64) x 8 + (320 + 40) x 6) = 6 x 3696.
@@ -50,8 +56,9 @@ def test_training_flops_equal_a_hand_computation():
 
 def test_attention_flops_match_the_issue_statement_on_padded_batches():
   """6 x 2 x (layers x len^2 x d_model x batch) per attention when h x d_k = d_model."""
-  cfg = TransformerConfig(vocab_size=256, d_model=128, d_ff=512, num_heads=4,
-                          num_encoder_layers=3, num_decoder_layers=3)
+  cfg = TransformerConfig(
+    vocab_size=256, d_model=128, d_ff=512, num_heads=4, num_encoder_layers=3, num_decoder_layers=3
+  )
   rows, s, t, d = 64, 24, 16, 128
   flops = flop_count.training_flops(cfg, [s] * rows, [t] * rows)
   expected = 6 * 2 * (3 * s * s * d * rows + 3 * t * t * d * rows + 3 * t * s * d * rows)
@@ -62,13 +69,23 @@ def test_attention_flops_match_the_issue_statement_on_padded_batches():
 def test_matmul_params_are_the_model_kernels(pre_norm, share_embeddings):
   """Every parameter is a matmul weight counted by the formula, except biases, LayerNorms and
   the input embeddings (the shared embedding counts once, as the output projection)."""
-  cfg = TransformerConfig(vocab_size=50, d_model=16, d_ff=24, num_heads=2, qk_dim=4, v_dim=6,
-                          num_encoder_layers=2, num_decoder_layers=3, pre_norm=pre_norm,
-                          share_embeddings=share_embeddings)
+  cfg = TransformerConfig(
+    vocab_size=50,
+    d_model=16,
+    d_ff=24,
+    num_heads=2,
+    qk_dim=4,
+    v_dim=6,
+    num_encoder_layers=2,
+    num_decoder_layers=3,
+    pre_norm=pre_norm,
+    share_embeddings=share_embeddings,
+  )
   params = _abstract_params(cfg)
   flat = jax.tree_util.tree_flatten_with_path(params)[0]
-  kernels = sum(int(np.prod(leaf.shape)) for path, leaf in flat
-                if getattr(path[-1], 'key', None) == 'kernel')
+  kernels = sum(
+    int(np.prod(leaf.shape)) for path, leaf in flat if getattr(path[-1], 'key', None) == 'kernel'
+  )
   if share_embeddings:
     kernels += int(np.prod(params['shared_embedding']['embedding'].shape))
   assert sum(flop_count.matmul_params(cfg).values()) == kernels
@@ -80,9 +97,14 @@ def test_sizes_are_the_documented_models():
   assert (tiny.model_config.d_model, tiny.model_config.vocab_size) == (128, 256)
   assert (tiny.rows_per_device, tiny.source_length, tiny.target_length) == (64, 24, 16)
   small = training.size_spec('small', config, dtype='bfloat16')
-  assert (small.model_config.d_model, small.model_config.d_ff, small.model_config.num_heads,
-          small.model_config.num_encoder_layers, small.model_config.vocab_size,
-          small.model_config.dtype) == (256, 1024, 4, 3, 8000, 'bfloat16')
+  assert (
+    small.model_config.d_model,
+    small.model_config.d_ff,
+    small.model_config.num_heads,
+    small.model_config.num_encoder_layers,
+    small.model_config.vocab_size,
+    small.model_config.dtype,
+  ) == (256, 1024, 4, 3, 8000, 'bfloat16')
   assert 1900 <= small.target_tokens_per_device <= 2100
   base = training.size_spec('base', config, dtype='float32', dropout=0.0)
   assert base.model_config.replace(dropout_rate=0.1) == TransformerConfig.base(37000)
@@ -96,13 +118,16 @@ def test_sizes_are_the_documented_models():
     runner.run(config, runner.Options(sizes=['huge']))
 
 
-@pytest.mark.parametrize('change, message', [
+@pytest.mark.parametrize(
+  'change, message',
+  [
     (dict(train_steps=0), '--train_steps must be an integer >= 1, got 0'),
     (dict(rows_per_device=-1), '--rows_per_device must be an integer >= 0, got -1'),
     (dict(beam_size=0), '--beam_size must be an integer >= 1, got 0'),
     (dict(alpha=-1.0), '--alpha must be >= 0, got -1.0'),
     (dict(dropout=1.0), '--dropout must be in [0, 1), got 1.0'),
-])
+  ],
+)
 def test_impossible_options_are_one_line_errors_before_anything_runs(change, message):
   # Before: --train_steps=0 failed in the report ('float' object is not iterable) and
   # --rows_per_device=-1 in numpy, both after compiling.
@@ -115,17 +140,30 @@ def test_impossible_options_are_one_line_errors_before_anything_runs(change, mes
 def test_eos_suppression_finds_its_parameters(pre_norm, share_embeddings):
   """The edit makes feature 0 of the decoder output the constant 1 and gives EOS a -30 weight
   on it (the CLI test checks that decoding then runs to full length)."""
-  cfg = TransformerConfig(vocab_size=40, d_model=16, d_ff=32, num_heads=2, num_encoder_layers=1,
-                          num_decoder_layers=2, pre_norm=pre_norm,
-                          share_embeddings=share_embeddings)
+  cfg = TransformerConfig(
+    vocab_size=40,
+    d_model=16,
+    d_ff=32,
+    num_heads=2,
+    num_encoder_layers=1,
+    num_decoder_layers=2,
+    pre_norm=pre_norm,
+    share_embeddings=share_embeddings,
+  )
   params = jax.tree_util.tree_map(lambda x: np.ones(x.shape, x.dtype), _abstract_params(cfg))
   edited, suppressed = decode_benchmark.suppress_eos(params, cfg)
   assert suppressed
-  norm = (edited['decoder_norm'] if pre_norm
-          else jax.tree_util.tree_map(lambda x: x[-1], edited['decoder_layers']['ffn_block']['norm']))
+  norm = (
+    edited['decoder_norm']
+    if pre_norm
+    else jax.tree_util.tree_map(lambda x: x[-1], edited['decoder_layers']['ffn_block']['norm'])
+  )
   assert (norm['scale'][0], norm['bias'][0]) == (0.0, 1.0)
-  output = (edited['shared_embedding']['embedding'] if share_embeddings
-            else edited['output_projection']['kernel'].T)
+  output = (
+    edited['shared_embedding']['embedding']
+    if share_embeddings
+    else edited['output_projection']['kernel'].T
+  )
   assert output[1, 0] == -30.0
   assert np.sum(output == -30.0) == 1
   assert params is not edited and np.all(jax.tree_util.tree_leaves(params)[0] == 1)
@@ -133,20 +171,40 @@ def test_eos_suppression_finds_its_parameters(pre_norm, share_embeddings):
 
 def test_cli_writes_a_complete_report(tmp_path):
   out = tmp_path / 'bench.json'
-  env = dict(os.environ, JAX_PLATFORMS='cpu',
-             # Compilation dominates this run; optimising the programs would only slow it down.
-             JAX_DISABLE_MOST_OPTIMIZATIONS='1')
+  env = dict(
+    os.environ,
+    JAX_PLATFORMS='cpu',
+    # Compilation dominates this run; optimising the programs would only slow it down.
+    JAX_DISABLE_MOST_OPTIMIZATIONS='1',
+  )
   command = [
-      sys.executable, '-m', 'transformer_jax.benchmark', '--sizes=tiny', f'--json={out}',
-      '--train_steps=2', '--warmup_steps=1', '--peak_n=256', '--peak_repeats=2',
-      '--decode_batches=1', '--decode_batch_size=4', '--decode_source_length=8',
-      '--decode_length=5', '--pipeline_examples=2000', '--pipeline_batches=5',
-      # A smaller 'tiny' (fewer FLOPs, same programs) keeps the test fast.
-      '--config.model.d_model=32', '--config.model.d_ff=64', '--config.model.num_heads=2',
-      '--config.model.num_encoder_layers=1', '--config.model.num_decoder_layers=1',
-      '--config.vocab_size=96', '--config.per_device_batch_size=8']
-  result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
+    sys.executable,
+    '-m',
+    'transformer_jax.benchmark',
+    '--sizes=tiny',
+    f'--json={out}',
+    '--train_steps=2',
+    '--warmup_steps=1',
+    '--peak_n=256',
+    '--peak_repeats=2',
+    '--decode_batches=1',
+    '--decode_batch_size=4',
+    '--decode_source_length=8',
+    '--decode_length=5',
+    '--pipeline_examples=2000',
+    '--pipeline_batches=5',
+    # A smaller 'tiny' (fewer FLOPs, same programs) keeps the test fast.
+    '--config.model.d_model=32',
+    '--config.model.d_ff=64',
+    '--config.model.num_heads=2',
+    '--config.model.num_encoder_layers=1',
+    '--config.model.num_decoder_layers=1',
+    '--config.vocab_size=96',
+    '--config.per_device_batch_size=8',
+  ]
+  result = subprocess.run(
+    command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300
+  )
   assert result.returncode == 0, result.stderr[-3000:]
   for header in ('MFU', 'greedy_cached', 'beam_uncached', 'packed'):
     assert header in result.stdout, result.stdout
@@ -158,15 +216,29 @@ def test_cli_writes_a_complete_report(tmp_path):
   assert report['settings']['reuse_host_memory'] == sys.platform.startswith('linux')
   assert report['peak']['flops_per_second'] > 0
   # The limit is the fastest peak product of the whole run, the start's or a probe's.
-  assert report['peak']['flops_per_second'] == max(report['peak']['initial_flops_per_second'],
-                                                   *report['training'][0]['peak_flops_each'])
+  assert report['peak']['flops_per_second'] == max(
+    report['peak']['initial_flops_per_second'], *report['training'][0]['peak_flops_each']
+  )
 
   (row,) = report['training']
-  for key in ('params', 'batch_rows', 'step_seconds', 'steps_per_second',
-              'target_tokens_per_second', 'padded_target_tokens_per_second', 'flops_per_step',
-              'useful_flops_per_step', 'achieved_flops_per_second', 'mfu', 'useful_mfu',
-              'first_step_seconds', 'trace_seconds', 'compile_seconds', 'peak_memory_bytes',
-              'xla_step_memory_bytes'):
+  for key in (
+    'params',
+    'batch_rows',
+    'step_seconds',
+    'steps_per_second',
+    'target_tokens_per_second',
+    'padded_target_tokens_per_second',
+    'flops_per_step',
+    'useful_flops_per_step',
+    'achieved_flops_per_second',
+    'mfu',
+    'useful_mfu',
+    'first_step_seconds',
+    'trace_seconds',
+    'compile_seconds',
+    'peak_memory_bytes',
+    'xla_step_memory_bytes',
+  ):
     assert row[key] > 0, (key, row[key])
   assert 0 < row['useful_mfu'] < row['mfu'] < 1.5
   assert row['step_seconds_min'] <= row['step_seconds_median'] <= row['step_seconds'] * 2
@@ -175,8 +247,10 @@ def test_cli_writes_a_complete_report(tmp_path):
   assert min(row['step_seconds_each']) == row['step_seconds_min']
   # Each step paired with the peak timed just before it.
   assert len(row['peak_flops_each']) == row['timed_steps']
-  paired = [row['flops_per_step'] / (t * p) for t, p in
-            zip(row['step_seconds_each'], row['peak_flops_each'])]
+  paired = [
+    row['flops_per_step'] / (t * p)
+    for t, p in zip(row['step_seconds_each'], row['peak_flops_each'])
+  ]
   assert np.isclose(row['mfu_paired_median'], np.median(paired))
   assert 0 < row['mfu_paired_median'] < 1.5
   assert row['peak_flops_used'] == report['peak']['flops_per_second']
@@ -199,38 +273,61 @@ def test_cli_writes_a_complete_report(tmp_path):
   pipeline = report['pipeline']
   assert set(pipeline['modes']) == set(input_benchmark.BATCHING_MODES)
   for mode, figures in pipeline['modes'].items():
-    for key in ('examples_per_second', 'examples_per_batch', 'training_examples_per_second',
-                'ratio_to_training'):
+    for key in (
+      'examples_per_second',
+      'examples_per_batch',
+      'training_examples_per_second',
+      'ratio_to_training',
+    ):
       assert figures[key] > 0, (mode, key)
     assert 0 <= figures['padding_fraction'] < 1
   # Packing leaves the least padding, fixed-size batches padded to the maximum the most.
   modes = pipeline['modes']
-  assert (modes['packed']['padding_fraction'] < modes['tokens']['padding_fraction']
-          < modes['fixed']['padding_fraction'])
+  assert (
+    modes['packed']['padding_fraction']
+    < modes['tokens']['padding_fraction']
+    < modes['fixed']['padding_fraction']
+  )
 
 
 def test_run_trains_and_decodes_every_size_against_the_runs_fastest_peak(monkeypatch):
   """run()'s bookkeeping, with the timing functions replaced by fakes: every size is trained
   and decoded, and every row's MFU divides by the fastest peak seen in the whole run."""
   from transformer_jax.configs import default
+
   probe_peaks = {'tiny': [100e9, 300e9], 'small': [200e9, 250e9]}
 
   def fake_training(spec, *, peak_flops, peak_probe, **unused):
     del unused
     assert peak_probe() > 0  # the real probe works (the peak product at --peak_n)
-    row = {'size': spec.name, 'devices': 1, 'steps_per_second': 1.0,
-           'achieved_flops_per_second': 60e9, 'flops_per_step': 60e9,
-           'useful_flops_per_step': 30e9, 'step_seconds': 1.0, 'step_seconds_median': 1.0,
-           'step_seconds_min': 0.5, 'peak_flops_each': probe_peaks[spec.name]}
+    row = {
+      'size': spec.name,
+      'devices': 1,
+      'steps_per_second': 1.0,
+      'achieved_flops_per_second': 60e9,
+      'flops_per_step': 60e9,
+      'useful_flops_per_step': 30e9,
+      'step_seconds': 1.0,
+      'step_seconds_median': 1.0,
+      'step_seconds_min': 0.5,
+      'peak_flops_each': probe_peaks[spec.name],
+    }
     training.set_mfu(row, peak_flops)
     return row, {'params': spec.name}
 
   decoded = []
   monkeypatch.setattr(runner, 'benchmark_training', fake_training)
-  monkeypatch.setattr(runner, 'synthetic_decoding',
-                      lambda spec, params, **unused: decoded.append((spec.name, params)) or {})
-  report = runner.run(default.get_config(), runner.Options(
-      sizes=['tiny', 'small'], sections=['train', 'decode'], peak_n=64, peak_repeats=1))
+  monkeypatch.setattr(
+    runner,
+    'synthetic_decoding',
+    lambda spec, params, **unused: decoded.append((spec.name, params)) or {},
+  )
+  report = runner.run(
+    default.get_config(),
+    runner.Options(
+      sizes=['tiny', 'small'], sections=['train', 'decode'], peak_n=64, peak_repeats=1
+    ),
+  )
   assert [row['size'] for row in report['training']] == ['tiny', 'small']
   assert decoded == [('tiny', {'params': 'tiny'}), ('small', {'params': 'small'})]
   assert report['peak']['flops_per_second'] == 300e9  # a probe of tiny's steps

@@ -21,19 +21,25 @@ from transformer_jax.checkpointing import Checkpointer
 
 class KeyedTrainState(train_state.TrainState):
   """TrainState plus a dropout key, as the training loop carries one."""
+
   dropout_key: jax.Array
 
 
 def _make_state(seed: int = 0, step: int = 0) -> KeyedTrainState:
   rng = np.random.default_rng(seed)
   params = {
-      'dense': {'kernel': jnp.asarray(rng.normal(size=(3, 4)), jnp.float32),
-                'bias': jnp.asarray(rng.normal(size=(4,)), jnp.float32)},
-      'embed': jnp.asarray(rng.normal(size=(5, 2)), jnp.bfloat16),
+    'dense': {
+      'kernel': jnp.asarray(rng.normal(size=(3, 4)), jnp.float32),
+      'bias': jnp.asarray(rng.normal(size=(4,)), jnp.float32),
+    },
+    'embed': jnp.asarray(rng.normal(size=(5, 2)), jnp.bfloat16),
   }
   state = KeyedTrainState.create(
-      apply_fn=lambda p, x: x, params=params, tx=optax.adam(1e-3),
-      dropout_key=jax.random.PRNGKey(seed))
+    apply_fn=lambda p, x: x,
+    params=params,
+    tx=optax.adam(1e-3),
+    dropout_key=jax.random.PRNGKey(seed),
+  )
   # Take one optimizer step so opt_state moments are non-trivial.
   grads = jax.tree.map(jnp.ones_like, params)
   state = state.apply_gradients(grads=grads)
@@ -44,8 +50,8 @@ def _abstract(state, sharding=None):
   """Abstract tree with a sharding attached to every leaf."""
   sharding = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
   return jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x),
-                                     sharding=sharding), state)
+    lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x), sharding=sharding), state
+  )
 
 
 def _assert_trees_equal(a, b):
@@ -143,14 +149,19 @@ _CROSS_LAYOUT_SCRIPT = textwrap.dedent("""
 
 def test_cross_layout_restore(tmp_path):
   env = dict(os.environ)
-  env['XLA_FLAGS'] = (env.get('XLA_FLAGS', '') +
-                      ' --xla_force_host_platform_device_count=8').strip()
+  env['XLA_FLAGS'] = (
+    env.get('XLA_FLAGS', '') + ' --xla_force_host_platform_device_count=8'
+  ).strip()
   env['JAX_PLATFORMS'] = 'cpu'
   repo_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   env['PYTHONPATH'] = repo_root + os.pathsep + env.get('PYTHONPATH', '')
   result = subprocess.run(
-      [sys.executable, '-c', _CROSS_LAYOUT_SCRIPT, str(tmp_path / 'ckpt')],
-      env=env, capture_output=True, text=True, timeout=120)
+    [sys.executable, '-c', _CROSS_LAYOUT_SCRIPT, str(tmp_path / 'ckpt')],
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
   assert result.returncode == 0, result.stderr[-4000:]
   assert 'CROSS_LAYOUT_OK' in result.stdout
 
@@ -177,7 +188,8 @@ def test_params_checkpoint_round_trip(tmp_path):
   assert read_metadata(directory) == metadata
   shapes = params_shapes(directory)
   assert jax.tree.map(lambda s: (s.shape, s.dtype), shapes) == jax.tree.map(
-      lambda x: (x.shape, x.dtype), host)
+    lambda x: (x.shape, x.dtype), host
+  )
   abstract = _abstract(params)
   restored = restore_params_from(directory, abstract)
   _assert_trees_equal(restored, params)
@@ -192,8 +204,9 @@ def test_params_checkpoint_round_trip(tmp_path):
   assert os.listdir(tmp_path) == ['averaged']
 
   # A model that does not fit the saved tree: one-line UserInputError.
-  wrong = dict(abstract, embed=jax.ShapeDtypeStruct((6, 2), jnp.bfloat16,
-                                                    sharding=abstract['embed'].sharding))
+  wrong = dict(
+    abstract, embed=jax.ShapeDtypeStruct((6, 2), jnp.bfloat16, sharding=abstract['embed'].sharding)
+  )
   with pytest.raises(UserInputError, match=r'embed has shape \(5, 2\).*\(6, 2\)'):
     restore_params_from(directory, wrong)
   with pytest.raises(UserInputError, match='missing extra'):
@@ -214,10 +227,12 @@ def test_params_checkpoint_missing_or_incomplete(tmp_path, monkeypatch):
   with pytest.raises(TypeError, match=r"leaf \['w'\] is a object"):
     save_params(directory, {'w': object()}, {})
   assert os.listdir(tmp_path) == []
+
   # A save that dies mid-write (params committed, metadata not yet durable)
   # leaves nothing that looks like a checkpoint.
   def failing_fsync(fd):
     raise OSError('disk gone')
+
   monkeypatch.setattr(os, 'fsync', failing_fsync)
   with pytest.raises(OSError, match='disk gone'):
     save_params(directory, {'w': np.ones(2, np.float32)}, {})
@@ -238,7 +253,8 @@ def test_restore_params_to_host(tmp_path):
     assert isinstance(got, np.ndarray) and got.dtype == want.dtype
     np.testing.assert_array_equal(got, np.asarray(want))
   assert jax.tree.structure(host) == jax.tree.structure(
-      jax.tree.map(np.asarray, dict(state.params)))
+    jax.tree.map(np.asarray, dict(state.params))
+  )
 
 
 # ---- checksums of params-only checkpoints ----
@@ -252,15 +268,20 @@ def _checked_params(seed: int = 0) -> dict:
   orbax stores its bytes in a data file of their own, outside the CRC-checked b-tree nodes
   that hold tiny arrays inline: a byte flipped there restores silently with wrong values."""
   rng = np.random.default_rng(seed)
-  return {'w': rng.normal(size=(32, 32)).astype(np.float32),
-          'b': rng.normal(size=(4,)).astype(np.float32),
-          'embed': rng.normal(size=(5, 2)).astype(jnp.bfloat16)}
+  return {
+    'w': rng.normal(size=(32, 32)).astype(np.float32),
+    'b': rng.normal(size=(4,)).astype(np.float32),
+    'embed': rng.normal(size=(5, 2)).astype(jnp.bfloat16),
+  }
 
 
 def _data_files(item_dir) -> list[str]:
   """The chunk files orbax (OCDBT) wrote under an item folder, largest (the array bytes) first."""
-  files = [f for f in glob.glob(os.path.join(item_dir, '**', '*'), recursive=True)
-           if os.path.isfile(f) and os.sep + 'd' + os.sep in f]
+  files = [
+    f
+    for f in glob.glob(os.path.join(item_dir, '**', '*'), recursive=True)
+    if os.path.isfile(f) and os.sep + 'd' + os.sep in f
+  ]
   assert files, os.listdir(item_dir)
   return sorted(files, key=os.path.getsize, reverse=True)
 
@@ -270,7 +291,7 @@ def _damage_file(path, how):
   if how == 'flip':
     data[len(data) // 2] ^= 0xFF
   elif how == 'truncate':
-    data = data[:len(data) // 3]
+    data = data[: len(data) // 3]
   else:
     assert how == 'delete', how
     os.remove(path)
@@ -292,8 +313,9 @@ def test_params_checkpoint_records_and_hides_checksums(tmp_path):
   abstract = _abstract(params)
   _assert_trees_equal(restore_params_from(directory, abstract), params)
   # Restoring into another dtype verifies the stored values, then casts (no false alarm).
-  as_bf16 = dict(abstract, w=jax.ShapeDtypeStruct((32, 32), jnp.bfloat16,
-                                                  sharding=abstract['w'].sharding))
+  as_bf16 = dict(
+    abstract, w=jax.ShapeDtypeStruct((32, 32), jnp.bfloat16, sharding=abstract['w'].sharding)
+  )
   restored = restore_params_from(directory, as_bf16)
   assert restored['w'].dtype == jnp.bfloat16 and restored['w'].sharding == abstract['w'].sharding
   np.testing.assert_array_equal(np.asarray(restored['w']), params['w'].astype(jnp.bfloat16))
@@ -311,8 +333,9 @@ def test_params_checkpoint_flipped_byte_is_named(tmp_path):
   _damage_file(_data_files(os.path.join(directory, 'params'))[0], 'flip')
   with pytest.raises(CorruptCheckpointError) as error:
     restore_params_from(directory, _abstract(params))
-  assert str(error.value) == (f'params checkpoint at {directory} is damaged: w does not match '
-                              'the checksum written with it')
+  assert str(error.value) == (
+    f'params checkpoint at {directory} is damaged: w does not match the checksum written with it'
+  )
 
 
 def test_params_checkpoint_without_checksums_still_loads(tmp_path):
@@ -340,8 +363,7 @@ def test_params_checkpoint_unreadable_is_one_line(tmp_path, how):
   with pytest.raises(CorruptCheckpointError) as error:
     restore_params_from(directory, _abstract(params))
   message = str(error.value)
-  assert message.startswith(f'params checkpoint at {directory} is damaged or incomplete ('), \
-      message
+  assert message.startswith(f'params checkpoint at {directory} is damaged or incomplete ('), message
   assert '\n' not in message and len(message) < len(directory) + 300, message
   if how == 'metadata':
     with pytest.raises(CorruptCheckpointError, match='JSONDecodeError'):
@@ -365,14 +387,18 @@ def test_restore_params_to_host_verifies_checksums(tmp_path):
   with Checkpointer(directory, keep=None, async_save=False) as ckpt:
     with pytest.raises(CorruptCheckpointError) as error:
       ckpt.restore_params_to_host(3)
-  assert str(error.value) == (f'checkpoint step 3 at {directory}/3 is damaged: params/w does '
-                              'not match the checksum written with it')
+  assert str(error.value) == (
+    f'checkpoint step 3 at {directory}/3 is damaged: params/w does '
+    'not match the checksum written with it'
+  )
 
 
 def test_restore_params_to_host_unreadable_is_one_line(tmp_path):
   directory, _ = _damaged_step(tmp_path, 'truncate')
   with Checkpointer(directory, keep=None, async_save=False) as ckpt:
-    with pytest.raises(CorruptCheckpointError,
-                       match=f'^checkpoint step 3 at {re.escape(directory)}/3 is damaged or '
-                             r'incomplete \(\w+: [^\n]*\)$'):
+    with pytest.raises(
+      CorruptCheckpointError,
+      match=f'^checkpoint step 3 at {re.escape(directory)}/3 is damaged or '
+      r'incomplete \(\w+: [^\n]*\)$',
+    ):
       ckpt.restore_params_to_host(3)

@@ -12,8 +12,11 @@ import pytest
 from transformer_jax import Transformer, run_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIG_NAMES = sorted(os.path.basename(p)[:-3] for p in glob.glob(f'{REPO}/configs/*.py')
-                      if not p.endswith('__init__.py'))
+CONFIG_NAMES = sorted(
+  os.path.basename(p)[:-3]
+  for p in glob.glob(f'{REPO}/configs/*.py')
+  if not p.endswith('__init__.py')
+)
 
 
 def _parameter_count(model_config) -> int:

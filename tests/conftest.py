@@ -9,9 +9,10 @@ import pytest
 # what is computed, are unchanged; only the machine code is less tuned. It must be set before
 # JAX starts, hence here. Subprocesses inherit it (multi-device tests add their own flags).
 if 'xla_backend_optimization_level' not in os.environ.get('XLA_FLAGS', ''):
-  os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') +
-                             ' --xla_backend_optimization_level=0'
-                             ' --xla_llvm_disable_expensive_passes=true').strip()
+  os.environ['XLA_FLAGS'] = (
+    os.environ.get('XLA_FLAGS', '') + ' --xla_backend_optimization_level=0'
+    ' --xla_llvm_disable_expensive_passes=true'
+  ).strip()
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -23,6 +24,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def tiny_config(data_dir: str):
   """The default config shrunk to seconds on one CPU core."""
   from transformer_jax.configs import default
+
   config = default.get_config()
   config.dataset = 'number_words/tiny'
   config.data_dir = data_dir
@@ -50,6 +52,7 @@ def tiny_config(data_dir: str):
 def data_dir(tmp_path_factory):
   """One prepared copy of number_words/tiny for the whole test session."""
   from transformer_jax.data import number_words
+
   path = str(tmp_path_factory.mktemp('tfds'))
   number_words.prepare(path, 'tiny')
   return path
@@ -66,13 +69,20 @@ def random_weight_translator(num_encoder_layers: int = 1, num_decoder_layers: in
   from transformer_jax.data.tokenizer import Tokenizer
   from transformer_jax.inference import Translator
   from transformer_jax.models import Transformer
+
   sentences = []
   for n in range(0, 3000, 7):
     sentences += [number_words.english_words(n), number_words.german_words(n)]
   tokenizer = Tokenizer.train(sentences, vocab_size=96)
-  config = TransformerConfig(vocab_size=tokenizer.vocab_size, d_model=16, d_ff=32, num_heads=2,
-                             num_encoder_layers=num_encoder_layers,
-                             num_decoder_layers=num_decoder_layers, max_len=32)
+  config = TransformerConfig(
+    vocab_size=tokenizer.vocab_size,
+    d_model=16,
+    d_ff=32,
+    num_heads=2,
+    num_encoder_layers=num_encoder_layers,
+    num_decoder_layers=num_decoder_layers,
+    max_len=32,
+  )
   model = Transformer(config)
   dummy = jnp.ones((1, 1), jnp.int32)
   params = nn.meta.unbox(model.init(jax.random.PRNGKey(0), dummy, dummy)['params'])

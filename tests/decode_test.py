@@ -34,36 +34,40 @@ class ToyModel:
     self.t = rng.normal(size=(VOCAB, VOCAB)).astype(np.float32)
     self.u = rng.normal(size=(VOCAB, VOCAB)).astype(np.float32)
     self.p = rng.normal(size=(max_len, VOCAB)).astype(np.float32)
-    self.eos_pos = np.asarray(eos_pos, np.int32)                    # [b]
-    self.row_eos_pos = np.repeat(self.eos_pos, beam_size)           # [rows]
+    self.eos_pos = np.asarray(eos_pos, np.int32)  # [b]
+    self.row_eos_pos = np.repeat(self.eos_pos, beam_size)  # [rows]
     self.batch, self.max_len = len(eos_pos), max_len
 
   def logits_at(self, xp, cur, prev, pos):
     """xp: np or jnp; cur, prev: int[b]; pos: scalar. -> float32[b, V]."""
     vocab_ids = xp.arange(VOCAB)
     eos_sign = xp.where(xp.asarray(self.row_eos_pos) == pos, BIG, -BIG)
-    mask = (xp.where(vocab_ids == EOS, 1.0, 0.0)[None] * eos_sign[:, None]
-            - xp.where(vocab_ids == PAD, BIG, 0.0)[None])            # [b, V]
+    mask = (
+      xp.where(vocab_ids == EOS, 1.0, 0.0)[None] * eos_sign[:, None]
+      - xp.where(vocab_ids == PAD, BIG, 0.0)[None]
+    )  # [b, V]
     logits = xp.asarray(self.t)[cur] + xp.asarray(self.u)[prev]
     return (logits + xp.asarray(self.p)[pos] + mask).astype(xp.float32)
 
   def logits_fn(self, inputs, xp=jnp):
     """Uncached: int32[b, L] -> float32[b, L, V]; position i sees <= i."""
-    prev = xp.concatenate([xp.full_like(inputs[:, :1], PAD), inputs[:, :-1]],
-                          axis=1)
-    return xp.stack([self.logits_at(xp, inputs[:, i], prev[:, i], i)
-                     for i in range(inputs.shape[1])], axis=1)
+    prev = xp.concatenate([xp.full_like(inputs[:, :1], PAD), inputs[:, :-1]], axis=1)
+    return xp.stack(
+      [self.logits_at(xp, inputs[:, i], prev[:, i], i) for i in range(inputs.shape[1])], axis=1
+    )
 
   def init_cache(self):
-    return {'pos': jnp.int32(0), 'calls': jnp.int32(0),
-            'prev': jnp.full((self.batch,), PAD, jnp.int32)}
+    return {
+      'pos': jnp.int32(0),
+      'calls': jnp.int32(0),
+      'prev': jnp.full((self.batch,), PAD, jnp.int32),
+    }
 
   def step_fn(self, token, cache):
     """Cached: int32[b, 1] -> float32[b, V]; advances the cache by one."""
     cur = token[:, 0]
     logits = self.logits_at(jnp, cur, cache['prev'], cache['pos'])
-    return logits, {'pos': cache['pos'] + 1, 'calls': cache['calls'] + 1,
-                    'prev': cur}
+    return logits, {'pos': cache['pos'] + 1, 'calls': cache['calls'] + 1, 'prev': cur}
 
   def numpy_reference(self):
     """Plain Python loop over steps; each row stops at its first EOS."""
@@ -81,8 +85,9 @@ class ToyModel:
 
 
 def _kwargs(model):
-  return dict(batch_size=model.batch, max_decode_len=model.max_len,
-              bos_id=BOS, eos_id=EOS, pad_id=PAD)
+  return dict(
+    batch_size=model.batch, max_decode_len=model.max_len, bos_id=BOS, eos_id=EOS, pad_id=PAD
+  )
 
 
 # Rows: EOS at 3, EOS first, EOS at last position, never EOS.
@@ -101,37 +106,37 @@ def test_cached_equals_uncached_equals_numpy_reference():
 
 
 def test_eos_convention():
-  out = np.asarray(greedy_search(MODEL.step_fn, MODEL.init_cache(),
-                                 **_kwargs(MODEL)))
+  out = np.asarray(greedy_search(MODEL.step_fn, MODEL.init_cache(), **_kwargs(MODEL)))
   for row, eos_pos in zip(out, MODEL.eos_pos):
     if eos_pos < MODEL.max_len:
-      assert row[eos_pos] == EOS                     # EOS itself is kept
+      assert row[eos_pos] == EOS  # EOS itself is kept
       assert (row[:eos_pos] != EOS).all() and (row[:eos_pos] != PAD).all()
-      assert (row[eos_pos + 1:] == PAD).all()        # pad after it
+      assert (row[eos_pos + 1 :] == PAD).all()  # pad after it
     else:
       assert (row != EOS).all() and (row != PAD).all()  # fills the length
 
 
-@pytest.mark.parametrize('eos_pos, expected_calls', [
-    ([2, 4, 1], 5),   # last row ends at step 4 -> steps 0..4
+@pytest.mark.parametrize(
+  'eos_pos, expected_calls',
+  [
+    ([2, 4, 1], 5),  # last row ends at step 4 -> steps 0..4
     ([0, 0, 0], 1),
     ([2, 99, 1], 10),  # one row never ends -> all max_decode_len steps
-])
+  ],
+)
 def test_early_stop_counts_step_calls(eos_pos, expected_calls):
   model = ToyModel(eos_pos=eos_pos, max_len=10, seed=1)
-  tokens, cache = greedy_search(model.step_fn, model.init_cache(),
-                                return_cache=True, **_kwargs(model))
+  tokens, cache = greedy_search(
+    model.step_fn, model.init_cache(), return_cache=True, **_kwargs(model)
+  )
   assert int(cache['calls']) == expected_calls == int(cache['pos'])
   np.testing.assert_array_equal(tokens, model.numpy_reference())
 
 
 def test_works_under_jit():
-  search = jax.jit(functools.partial(greedy_search, MODEL.step_fn,
-                                     **_kwargs(MODEL)))
-  uncached = jax.jit(functools.partial(greedy_search_uncached, MODEL.logits_fn,
-                                       **_kwargs(MODEL)))
-  inside = jax.jit(lambda cache: greedy_search(
-      MODEL.step_fn, cache, **_kwargs(MODEL)) + 0)
+  search = jax.jit(functools.partial(greedy_search, MODEL.step_fn, **_kwargs(MODEL)))
+  uncached = jax.jit(functools.partial(greedy_search_uncached, MODEL.logits_fn, **_kwargs(MODEL)))
+  inside = jax.jit(lambda cache: greedy_search(MODEL.step_fn, cache, **_kwargs(MODEL)) + 0)
   reference = MODEL.numpy_reference()
   np.testing.assert_array_equal(search(MODEL.init_cache()), reference)
   np.testing.assert_array_equal(uncached(), reference)
@@ -140,22 +145,27 @@ def test_works_under_jit():
 
 def test_rejects_empty_shapes():
   with pytest.raises(ValueError):
-    greedy_search(MODEL.step_fn, MODEL.init_cache(), batch_size=4,
-                  max_decode_len=0, bos_id=BOS, eos_id=EOS)
+    greedy_search(
+      MODEL.step_fn, MODEL.init_cache(), batch_size=4, max_decode_len=0, bos_id=BOS, eos_id=EOS
+    )
 
 
-@pytest.mark.parametrize('tokens, expected', [
+@pytest.mark.parametrize(
+  'tokens, expected',
+  [
     ([[5, 6, EOS, PAD]], [[5, 6]]),
     ([[EOS, PAD, PAD, PAD]], [[]]),
-    ([[5, 6, 7, 8]], [[5, 6, 7, 8]]),                 # no EOS: whole row
-    ([[5, EOS, 7, EOS]], [[5]]),                      # first EOS only
+    ([[5, 6, 7, 8]], [[5, 6, 7, 8]]),  # no EOS: whole row
+    ([[5, EOS, 7, EOS]], [[5]]),  # first EOS only
     ([[5, PAD, 6, EOS], [EOS, 9, 9, 9]], [[5, 6], []]),  # pads dropped
-])
+  ],
+)
 def test_strip_after_eos(tokens, expected):
   assert strip_after_eos(np.asarray(tokens, np.int32), EOS) == expected
 
 
 # --- Beam search ---------------------------------------------------------------
+
 
 def _beam_kwargs(model, beam_size, alpha=0.6):
   return dict(_kwargs(model), beam_size=beam_size, alpha=alpha)
@@ -170,8 +180,11 @@ def _sequence_scores(np_logits_fn, tokens, alpha):
   inputs = np.concatenate([np.full((b * k, 1), BOS), rows[:, :-1]], axis=1)
   logits = np.asarray(np_logits_fn(inputs), np.float64)
   logits[..., PAD] = -np.inf
-  logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(
-      -1, keepdims=True)) - logits.max(-1, keepdims=True)
+  logp = (
+    logits
+    - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True))
+    - logits.max(-1, keepdims=True)
+  )
   scores = []
   for r, row in enumerate(rows.tolist()):
     n = row.index(EOS) + 1 if EOS in row else length
@@ -198,13 +211,12 @@ def test_beam_size_one_equals_greedy(alpha):
   # continuation can beat it; in general alpha > 0 lets a longer hypothesis
   # found later win even with beam 1 (alpha = 0 never does).
   model = ToyModel(eos_pos=[3, 0, 7, 99], max_len=8)
-  tokens, scores = beam_search(model.step_fn, model.init_cache(),
-                               **_beam_kwargs(model, 1, alpha))
+  tokens, scores = beam_search(model.step_fn, model.init_cache(), **_beam_kwargs(model, 1, alpha))
   _check_layout(tokens, scores, 4, 1, 8)
   np.testing.assert_array_equal(tokens[:, 0], model.numpy_reference())
 
 
-TRAP_A, TRAP_B, TRAP_VOCAB = 3, 4, 10   # tokens 5..9: fillers
+TRAP_A, TRAP_B, TRAP_VOCAB = 3, 4, 10  # tokens 5..9: fillers
 
 
 def _trap_logits_fn(inputs, xp=jnp):
@@ -221,41 +233,34 @@ def _trap_logits_fn(inputs, xp=jnp):
 
 @pytest.mark.parametrize('beam_size, alpha', [(2, 0.6), (3, 0.0)])
 def test_beam_escapes_greedy_trap(beam_size, alpha):
-  kwargs = dict(batch_size=1, max_decode_len=4, bos_id=BOS, eos_id=EOS,
-                pad_id=PAD)
+  kwargs = dict(batch_size=1, max_decode_len=4, bos_id=BOS, eos_id=EOS, pad_id=PAD)
   greedy = greedy_search_uncached(_trap_logits_fn, **kwargs)
   np.testing.assert_array_equal(greedy, [[TRAP_A, 5, EOS, PAD]])
-  tokens, scores = beam_search_uncached(_trap_logits_fn, beam_size=beam_size,
-                                        alpha=alpha, **kwargs)
+  tokens, scores = beam_search_uncached(_trap_logits_fn, beam_size=beam_size, alpha=alpha, **kwargs)
   _check_layout(tokens, scores, 1, beam_size, 4)
-  np.testing.assert_array_equal(tokens[0, :2], [[TRAP_B, EOS, PAD, PAD],
-                                                [TRAP_A, 5, EOS, PAD]])
-  np.testing.assert_allclose(scores[0, 0], np.log(0.4) / (7 / 6) ** alpha,
-                             rtol=1e-6)
+  np.testing.assert_array_equal(tokens[0, :2], [[TRAP_B, EOS, PAD, PAD], [TRAP_A, 5, EOS, PAD]])
+  np.testing.assert_allclose(scores[0, 0], np.log(0.4) / (7 / 6) ** alpha, rtol=1e-6)
   np.testing.assert_allclose(
-      scores, _sequence_scores(functools.partial(_trap_logits_fn, xp=np),
-                               tokens, alpha), rtol=1e-6)
+    scores, _sequence_scores(functools.partial(_trap_logits_fn, xp=np), tokens, alpha), rtol=1e-6
+  )
 
 
 def test_beam_scores_are_penalized_log_probs(alpha=0.6):
   # alpha = 0: see test_beam_escapes_greedy_trap.
   # EOS at 3 and at 1: all beams end; 99: all fall back to alive beams.
   model = ToyModel(eos_pos=[3, 99, 1], max_len=6, seed=2, beam_size=4)
-  tokens, scores = beam_search(model.step_fn, model.init_cache(),
-                               **_beam_kwargs(model, 4, alpha))
+  tokens, scores = beam_search(model.step_fn, model.init_cache(), **_beam_kwargs(model, 4, alpha))
   _check_layout(tokens, scores, 3, 4, 6)
   assert (tokens[0, :, 3] == EOS).all() and (tokens[2, :, 1] == EOS).all()
   assert (tokens[1] != EOS).all()
   assert len({tuple(beam) for beam in np.asarray(tokens[0]).tolist()}) == 4
-  reference = _sequence_scores(lambda x: model.logits_fn(x, xp=np), tokens,
-                               alpha)
+  reference = _sequence_scores(lambda x: model.logits_fn(x, xp=np), tokens, alpha)
   np.testing.assert_allclose(scores, reference, rtol=0, atol=1e-5)
 
 
 def test_beam_cached_equals_uncached():
   model = ToyModel(eos_pos=[3, 0, 7, 99], max_len=8, beam_size=4)
-  cached = beam_search(model.step_fn, model.init_cache(),
-                       **_beam_kwargs(model, 4))
+  cached = beam_search(model.step_fn, model.init_cache(), **_beam_kwargs(model, 4))
   uncached = beam_search_uncached(model.logits_fn, **_beam_kwargs(model, 4))
   np.testing.assert_array_equal(cached[0], uncached[0])
   np.testing.assert_allclose(cached[1], uncached[1], rtol=0, atol=1e-5)
@@ -285,43 +290,49 @@ class HistoryToy:
 
   def logits_fn(self, inputs, xp=jnp):
     length = inputs.shape[1]
-    return xp.stack([self._logits(xp, xp.where(xp.arange(length) <= i,
-                                               inputs, PAD))
-                     for i in range(length)], axis=1)
+    return xp.stack(
+      [self._logits(xp, xp.where(xp.arange(length) <= i, inputs, PAD)) for i in range(length)],
+      axis=1,
+    )
 
   def init_cache(self):
-    return {'hist': jnp.full((self.batch, self.max_len), PAD, jnp.int32),
-            'pos': jnp.int32(0), 'calls': jnp.int32(0)}
+    return {
+      'hist': jnp.full((self.batch, self.max_len), PAD, jnp.int32),
+      'pos': jnp.int32(0),
+      'calls': jnp.int32(0),
+    }
 
   def step_fn(self, token, cache):
-    hist = jax.lax.dynamic_update_slice_in_dim(cache['hist'], token,
-                                               cache['pos'], axis=1)
-    return self._logits(jnp, hist), {'hist': hist, 'pos': cache['pos'] + 1,
-                                     'calls': cache['calls'] + 1}
+    hist = jax.lax.dynamic_update_slice_in_dim(cache['hist'], token, cache['pos'], axis=1)
+    return self._logits(jnp, hist), {
+      'hist': hist,
+      'pos': cache['pos'] + 1,
+      'calls': cache['calls'] + 1,
+    }
 
 
 def test_beam_cache_rows_follow_parent_beams():
   toy = HistoryToy(batch=2, max_len=7, beam_size=4)
-  kwargs = dict(batch_size=2, beam_size=4, max_decode_len=7, bos_id=BOS,
-                eos_id=EOS, pad_id=PAD)
+  kwargs = dict(batch_size=2, beam_size=4, max_decode_len=7, bos_id=BOS, eos_id=EOS, pad_id=PAD)
   cached = beam_search(toy.step_fn, toy.init_cache(), **kwargs)
   uncached = beam_search_uncached(toy.logits_fn, **kwargs)
   np.testing.assert_array_equal(cached[0], uncached[0])
   np.testing.assert_allclose(cached[1], uncached[1], rtol=0, atol=1e-5)
   np.testing.assert_allclose(
-      cached[1], _sequence_scores(lambda x: toy.logits_fn(x, xp=np),
-                                  cached[0], 0.6), rtol=0, atol=1e-5)
+    cached[1],
+    _sequence_scores(lambda x: toy.logits_fn(x, xp=np), cached[0], 0.6),
+    rtol=0,
+    atol=1e-5,
+  )
   tokens = np.asarray(cached[0])
   assert (tokens == EOS).any() and len({tuple(r) for r in tokens[0]}) == 4
 
   def misordered_step(token, cache):  # beams read a sibling's history
     hist = cache['hist'].reshape(2, 4, -1)
-    return toy.step_fn(token, dict(cache, hist=jnp.roll(hist, 1, axis=1)
-                                   .reshape(8, -1)))
+    return toy.step_fn(token, dict(cache, hist=jnp.roll(hist, 1, axis=1).reshape(8, -1)))
 
   wrong = beam_search(misordered_step, toy.init_cache(), **kwargs)
-  assert not (np.array_equal(wrong[0], cached[0])
-              and np.allclose(wrong[1], cached[1]))
+  assert not (np.array_equal(wrong[0], cached[0]) and np.allclose(wrong[1], cached[1]))
 
 
 def test_expand_to_beams():
@@ -339,32 +350,36 @@ def test_beam_max_lengths():
   # EOS forbidden by the toy everywhere: forced ends only (EOS keeps its
   # model log-prob, ~ -1e6). Sentence 2 has no limit within max_decode_len.
   model = ToyModel(eos_pos=[99, 99, 99], max_len=6, beam_size=3)
-  tokens, scores = beam_search(model.step_fn, model.init_cache(),
-                               max_lengths=jnp.array([3, 1, 9]),
-                               **_beam_kwargs(model, 3))
+  tokens, scores = beam_search(
+    model.step_fn, model.init_cache(), max_lengths=jnp.array([3, 1, 9]), **_beam_kwargs(model, 3)
+  )
   tokens = np.asarray(tokens)
   _check_layout(tokens, scores, 3, 3, 6)
   assert (tokens[0, :, 2] == EOS).all() and (tokens[0, :, 3:] == PAD).all()
   # Length 1: the one hypothesis is EOS; the other slots stay empty.
-  np.testing.assert_array_equal(tokens[1],
-                                [[EOS] + [PAD] * 5] + [[PAD] * 6] * 2)
+  np.testing.assert_array_equal(tokens[1], [[EOS] + [PAD] * 5] + [[PAD] * 6] * 2)
   assert np.isfinite(scores[1, 0]) and (scores[1, 1:] == -np.inf).all()
   assert (tokens[2] != EOS).all() and (tokens[2] != PAD).all()
 
 
-@pytest.mark.parametrize('eos_pos, beam_size, expected_calls', [
-    ([2, 4, 1], 4, 5),    # every sentence's 4 beams end at its EOS step
+@pytest.mark.parametrize(
+  'eos_pos, beam_size, expected_calls',
+  [
+    ([2, 4, 1], 4, 5),  # every sentence's 4 beams end at its EOS step
     ([0, 0, 0], 1, 1),
     # Only one hypothesis can end at step 0; three slots remain to be filled
     # by (very unlikely) longer ones, so the search goes on.
     ([0, 0, 0], 4, 10),
-])
+  ],
+)
 def test_beam_early_stop_counts_step_calls(eos_pos, beam_size, expected_calls):
   model = ToyModel(eos_pos=eos_pos, max_len=10, seed=1, beam_size=beam_size)
   calls = []
   tokens, _ = beam_search(
-      lambda token, cache: _record_calls(model.step_fn, token, cache, calls),
-      model.init_cache(), **_beam_kwargs(model, beam_size))
+    lambda token, cache: _record_calls(model.step_fn, token, cache, calls),
+    model.init_cache(),
+    **_beam_kwargs(model, beam_size),
+  )
   assert calls == list(range(1, expected_calls + 1))
   for sentence, pos in enumerate(eos_pos):
     if pos < 10:
@@ -384,8 +399,7 @@ def test_beam_works_under_jit():
   kwargs = _beam_kwargs(model, 2)
   max_lengths = jnp.array([8, 8, 5, 6])  # traced, not bound
   search = jax.jit(functools.partial(beam_search, model.step_fn, **kwargs))
-  uncached = jax.jit(functools.partial(beam_search_uncached, model.logits_fn,
-                                       **kwargs))
+  uncached = jax.jit(functools.partial(beam_search_uncached, model.logits_fn, **kwargs))
   tokens, scores = search(model.init_cache(), max_lengths=max_lengths)
   _check_layout(tokens, scores, 4, 2, 8)
   tokens_ref, scores_ref = uncached(max_lengths=max_lengths)

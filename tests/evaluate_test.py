@@ -41,8 +41,10 @@ def test_score_is_sacrebleus_corpus_score():
   references = ['ein Hund rennt im Park', 'zwei Katzen schlafen']
   result = score(hypotheses, references)
   assert result['bleu'] == pytest.approx(
-      sacrebleu.corpus_bleu(hypotheses, [references]).score, abs=1e-9)
+    sacrebleu.corpus_bleu(hypotheses, [references]).score, abs=1e-9
+  )
   assert result['chrf'] == pytest.approx(
-      sacrebleu.corpus_chrf(hypotheses, [references]).score, abs=1e-9)
+    sacrebleu.corpus_chrf(hypotheses, [references]).score, abs=1e-9
+  )
   assert 0 < result['bleu'] < 100
   assert result['bleu_signature'].startswith('nrefs:1|case:mixed|eff:no|tok:13a')

@@ -10,7 +10,7 @@ from conftest import REPO_ROOT
 
 # Allocates 256 MB with malloc, writes every page, frees it; twice. Prints the minor page
 # faults of the second round.
-_SCRIPT = '''
+_SCRIPT = """
 import ctypes, resource, sys
 sys.path.insert(0, {repo!r})
 if sys.argv[1] == 'reuse':
@@ -29,12 +29,16 @@ touch()
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 touch()
 print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-'''
+"""
 
 
 def _second_round_faults(mode: str) -> int:
-  result = subprocess.run([sys.executable, '-c', _SCRIPT.format(repo=REPO_ROOT), mode],
-                          capture_output=True, text=True, timeout=120)
+  result = subprocess.run(
+    [sys.executable, '-c', _SCRIPT.format(repo=REPO_ROOT), mode],
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
   assert result.returncode == 0, result.stderr
   return int(result.stdout.split()[-1])
 

@@ -15,8 +15,11 @@ from conftest import tiny_config
 
 def _tokenizer_and_sources(config, data_dir, vocab_size=96):
   sources = input_pipeline.load_data_sources(config, data_dir)
-  texts = [t for e in input_pipeline.read_examples(sources['train'], 0, 500)
-           for t in (e['en'].decode(), e['de'].decode())]
+  texts = [
+    t
+    for e in input_pipeline.read_examples(sources['train'], 0, 500)
+    for t in (e['en'].decode(), e['de'].decode())
+  ]
   return Tokenizer.train(texts, vocab_size=vocab_size), sources
 
 
@@ -29,14 +32,17 @@ def test_build_across_chunk_boundaries_equals_per_example_encoding(data_dir, mon
   assert len(split) == len(source) == 200
   for index in (0, 6, 7, 8, 199):
     example = source[index]
-    np.testing.assert_array_equal(split[index]['inputs'],
-                                  tokenizer.encode(example['en'].decode()) + [EOS_ID])
-    np.testing.assert_array_equal(split[index]['targets'],
-                                  tokenizer.encode(example['de'].decode()) + [EOS_ID])
+    np.testing.assert_array_equal(
+      split[index]['inputs'], tokenizer.encode(example['en'].decode()) + [EOS_ID]
+    )
+    np.testing.assert_array_equal(
+      split[index]['targets'], tokenizer.encode(example['de'].decode()) + [EOS_ID]
+    )
     assert split[index]['inputs'].dtype == np.int32
   input_lengths, target_lengths = split.lengths()
-  assert input_lengths.sum() == sum(len(tokenizer.encode(source[i]['en'].decode())) + 1
-                                    for i in range(200))
+  assert input_lengths.sum() == sum(
+    len(tokenizer.encode(source[i]['en'].decode())) + 1 for i in range(200)
+  )
 
 
 def test_token_cache_is_reused_only_for_the_same_vocabulary(data_dir, tmp_path, monkeypatch):
@@ -54,8 +60,9 @@ def test_token_cache_is_reused_only_for_the_same_vocabulary(data_dir, tmp_path, 
   # Another vocabulary: the cache is stale and rebuilt with the new ids.
   other, _ = _tokenizer_and_sources(config, data_dir, vocab_size=80)
   rebuilt = input_pipeline.TokenizedSplit.build(sources['test'], other, config, cache)
-  np.testing.assert_array_equal(rebuilt[3]['inputs'],
-                                other.encode(sources['test'][3]['en'].decode()) + [EOS_ID])
+  np.testing.assert_array_equal(
+    rebuilt[3]['inputs'], other.encode(sources['test'][3]['en'].decode()) + [EOS_ID]
+  )
 
 
 def test_train_iterator_state_resumes_and_names_a_changed_device_layout(data_dir):
@@ -75,8 +82,11 @@ def test_train_iterator_state_resumes_and_names_a_changed_device_layout(data_dir
   resumed.set_state(state['position'])
   np.testing.assert_array_equal(next(resumed)['inputs'], expected['inputs'])
   on_two = input_pipeline.make_train_iterator(split, config, local_device_count=2)
-  with pytest.raises(UserInputError, match=r'written by a run on 1 process\(es\) x 1 local '
-                                           r'devices, this one runs on 1 process\(es\) x 2'):
+  with pytest.raises(
+    UserInputError,
+    match=r'written by a run on 1 process\(es\) x 1 local '
+    r'devices, this one runs on 1 process\(es\) x 2',
+  ):
     on_two.set_state(state)
   # Planned batches depend on the total device count only: 2 processes x 1 device = 1 x 2.
   config.batching = 'tokens'

@@ -42,8 +42,9 @@ def _example(seed=0):
 @pytest.mark.parametrize('eps', [0.1, 0.3])
 def test_matches_definition(eps):
   logits, targets, weights = _example()
-  loss, total = label_smoothed_cross_entropy(jnp.asarray(logits), jnp.asarray(targets),
-                                             jnp.asarray(weights), label_smoothing=eps)
+  loss, total = label_smoothed_cross_entropy(
+    jnp.asarray(logits), jnp.asarray(targets), jnp.asarray(weights), label_smoothing=eps
+  )
   expected_loss, expected_total = _reference(logits, targets, weights, eps)
   assert total == expected_total == 5.0
   np.testing.assert_allclose(float(loss), expected_loss, rtol=1e-5)
@@ -52,36 +53,39 @@ def test_matches_definition(eps):
 
 def test_default_smoothing_is_0_1():
   logits, targets, weights = _example(1)
-  loss, _ = label_smoothed_cross_entropy(jnp.asarray(logits), jnp.asarray(targets),
-                                         jnp.asarray(weights))
-  np.testing.assert_allclose(float(loss), _reference(logits, targets, weights, 0.1)[0],
-                             rtol=1e-5)
+  loss, _ = label_smoothed_cross_entropy(
+    jnp.asarray(logits), jnp.asarray(targets), jnp.asarray(weights)
+  )
+  np.testing.assert_allclose(float(loss), _reference(logits, targets, weights, 0.1)[0], rtol=1e-5)
 
 
 def test_padding_is_excluded():
   logits, targets, weights = _example()
-  loss, total = label_smoothed_cross_entropy(jnp.asarray(logits), jnp.asarray(targets),
-                                             jnp.asarray(weights))
+  loss, total = label_smoothed_cross_entropy(
+    jnp.asarray(logits), jnp.asarray(targets), jnp.asarray(weights)
+  )
   # Whatever sits in the padded positions does not matter.
   garbage_logits = logits.copy()
   garbage_logits[weights == 0] = 1e4 * np.arange(V)
   garbage_targets = np.where(weights == 0, 0, targets).astype(np.int32)
-  loss2, total2 = label_smoothed_cross_entropy(jnp.asarray(garbage_logits),
-                                               jnp.asarray(garbage_targets),
-                                               jnp.asarray(weights))
+  loss2, total2 = label_smoothed_cross_entropy(
+    jnp.asarray(garbage_logits), jnp.asarray(garbage_targets), jnp.asarray(weights)
+  )
   np.testing.assert_allclose(float(loss2), float(loss), rtol=1e-6)
   assert float(total2) == float(total) == 5.0
   # And the weights scale each token's term.
-  loss3, total3 = label_smoothed_cross_entropy(jnp.asarray(logits), jnp.asarray(targets),
-                                               jnp.asarray(2.0 * weights))
+  loss3, total3 = label_smoothed_cross_entropy(
+    jnp.asarray(logits), jnp.asarray(targets), jnp.asarray(2.0 * weights)
+  )
   np.testing.assert_allclose(float(loss3), 2.0 * float(loss), rtol=1e-6)
   assert float(total3) == 10.0
 
 
 def test_no_smoothing_is_plain_cross_entropy():
   logits, targets, weights = _example(2)
-  loss, _ = label_smoothed_cross_entropy(jnp.asarray(logits), jnp.asarray(targets),
-                                         jnp.asarray(weights), label_smoothing=0.0)
+  loss, _ = label_smoothed_cross_entropy(
+    jnp.asarray(logits), jnp.asarray(targets), jnp.asarray(weights), label_smoothing=0.0
+  )
   log_p = _log_softmax(logits)
   nll = -np.take_along_axis(log_p, targets[..., None], axis=-1)[..., 0]
   np.testing.assert_allclose(float(loss), float((weights * nll).sum()), rtol=1e-5)
@@ -90,8 +94,9 @@ def test_no_smoothing_is_plain_cross_entropy():
 def test_no_smoothing_perfect_prediction_is_zero():
   targets = np.array([[3, 0, 6]], np.int32)
   logits = 100.0 * jax.nn.one_hot(targets, V)
-  loss, total = label_smoothed_cross_entropy(logits, jnp.asarray(targets),
-                                             jnp.ones((1, 3)), label_smoothing=0.0)
+  loss, total = label_smoothed_cross_entropy(
+    logits, jnp.asarray(targets), jnp.ones((1, 3)), label_smoothing=0.0
+  )
   assert float(total) == 3.0
   assert 0.0 <= float(loss) < 1e-6
 
@@ -103,8 +108,9 @@ def test_minimum_is_at_q(eps):
   at_q = jnp.asarray(np.log(q), jnp.float32)
 
   def loss_fn(logits):
-    return label_smoothed_cross_entropy(logits, jnp.asarray(targets), jnp.asarray(weights),
-                                        label_smoothing=eps)[0]
+    return label_smoothed_cross_entropy(
+      logits, jnp.asarray(targets), jnp.asarray(weights), label_smoothing=eps
+    )[0]
 
   loss, grad = jax.value_and_grad(loss_fn)(at_q)
   assert abs(float(loss)) < 1e-5

@@ -30,17 +30,23 @@ from transformer_jax.models import (
 )
 
 VOCAB = 40  # distinct from every other dimension, so shape checks can find it
-TINY = TransformerConfig(vocab_size=VOCAB, d_model=16, d_ff=32, num_heads=2,
-                         num_encoder_layers=2, num_decoder_layers=2, max_len=16)
+TINY = TransformerConfig(
+  vocab_size=VOCAB,
+  d_model=16,
+  d_ff=32,
+  num_heads=2,
+  num_encoder_layers=2,
+  num_decoder_layers=2,
+  max_len=16,
+)
 
 # Row 0 has two padded source positions; targets (BOS-led, teacher-forced) have no padding.
-SRC = np.array([[5, 6, 7, 0, 0],
-                [4, 3, 9, 8, 7]], np.int32)
-TGT = np.array([[BOS_ID, 5, 9, 4, 7, 3],
-                [BOS_ID, 8, 8, 6, 11, 10]], np.int32)
+SRC = np.array([[5, 6, 7, 0, 0], [4, 3, 9, 8, 7]], np.int32)
+TGT = np.array([[BOS_ID, 5, 9, 4, 7, 3], [BOS_ID, 8, 8, 6, 11, 10]], np.int32)
 
 
 # --- helpers -----------------------------------------------------------------------------------
+
 
 def _fill(shapes, seed):
   """Random float32 arrays for an (unboxed) tree of ShapeDtypeStructs.
@@ -65,8 +71,12 @@ def _fill(shapes, seed):
 
 
 def _param_shapes(cfg):
-  variables = jax.eval_shape(Transformer(cfg).init, jax.random.key(0),
-                             jnp.ones((1, 1), jnp.int32), jnp.ones((1, 1), jnp.int32))
+  variables = jax.eval_shape(
+    Transformer(cfg).init,
+    jax.random.key(0),
+    jnp.ones((1, 1), jnp.int32),
+    jnp.ones((1, 1), jnp.int32),
+  )
   return meta.unbox(variables['params'])
 
 
@@ -87,11 +97,14 @@ def _logits(cfg, params, src=SRC, tgt=TGT):
 
 
 def _paths(tree):
-  return {'/'.join(p.key for p in path): leaf.shape
-          for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+  return {
+    '/'.join(p.key for p in path): leaf.shape
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
+  }
 
 
 # --- attention ---------------------------------------------------------------------------------
+
 
 def _softmax(x):
   x = x - x.max(axis=-1, keepdims=True)
@@ -101,8 +114,7 @@ def _softmax(x):
 
 @pytest.mark.parametrize('qk_dim,v_dim', [(None, None), (3, 5)])
 def test_multi_head_attention_matches_numpy(qk_dim, v_dim):
-  cfg = TransformerConfig(vocab_size=8, d_model=16, d_ff=8, num_heads=2, qk_dim=qk_dim,
-                          v_dim=v_dim)
+  cfg = TransformerConfig(vocab_size=8, d_model=16, d_ff=8, num_heads=2, qk_dim=qk_dim, v_dim=v_dim)
   rng = np.random.default_rng(1)
   # Different query and key lengths so a transposed axis cannot go unnoticed.
   xq = rng.normal(size=(2, 3, 16)).astype(np.float32)
@@ -110,11 +122,9 @@ def test_multi_head_attention_matches_numpy(qk_dim, v_dim):
   key_ids = np.array([[5, 6, 0, 0], [7, 8, 9, 3]], np.int32)
   mask = padding_mask(None, jnp.asarray(key_ids))
   module = MultiHeadAttention(cfg, kind='cross')
-  shapes = meta.unbox(jax.eval_shape(module.init, jax.random.key(0), xq, xkv, mask,
-                                     True)['params'])
+  shapes = meta.unbox(jax.eval_shape(module.init, jax.random.key(0), xq, xkv, mask, True)['params'])
   params = _fill(shapes, seed=2)
-  out, state = module.apply({'params': params}, xq, xkv, mask, True,
-                            mutable=['intermediates'])
+  out, state = module.apply({'params': params}, xq, xkv, mask, True, mutable=['intermediates'])
 
   p = jax.tree_util.tree_map(lambda a: np.asarray(a, np.float64), params)
   dk = cfg.head_qk_dim
@@ -139,10 +149,13 @@ def test_multi_head_attention_matches_numpy(qk_dim, v_dim):
 # (x features, kernel shape, num_in_axes): both branches of the kernel gradient (x narrower
 # than dy: transpose x; x wider: transpose dy) and a two-axis contraction (attention output).
 @pytest.mark.parametrize('row_major', [True, False])
-@pytest.mark.parametrize('features, num_in_axes, in_shape', [
-    ((12,), 1, (5,)), ((3,), 1, (7,)), ((2, 4), 1, (6,)), ((6,), 2, (2, 4))])
-def test_projection_gradients_equal_plain_dot_general(features, num_in_axes, in_shape,
-                                                      row_major, monkeypatch):
+@pytest.mark.parametrize(
+  'features, num_in_axes, in_shape',
+  [((12,), 1, (5,)), ((3,), 1, (7,)), ((2, 4), 1, (6,)), ((6,), 2, (2, 4))],
+)
+def test_projection_gradients_equal_plain_dot_general(
+  features, num_in_axes, in_shape, row_major, monkeypatch
+):
   # The CPU path's custom VJP (explicit transposes for the kernel gradient) must give exactly
   # the gradients of the one-line contraction it replaces; accelerators take that contraction
   # itself (the switch is flipped here; the arithmetic still runs on CPU).
@@ -159,8 +172,10 @@ def test_projection_gradients_equal_plain_dot_general(features, num_in_axes, in_
 
   def reference_loss(params, x):
     contracted = tuple(range(x.ndim - num_in_axes, x.ndim))
-    y = jax.lax.dot_general(x, params['kernel'], ((contracted, tuple(range(num_in_axes))),
-                                                  ((), ()))) + params['bias']
+    y = (
+      jax.lax.dot_general(x, params['kernel'], ((contracted, tuple(range(num_in_axes))), ((), ())))
+      + params['bias']
+    )
     return jnp.sum(y * cotangent)
 
   got = jax.grad(projection_loss, argnums=(0, 1))(params, x)
@@ -193,10 +208,7 @@ def test_dot_product_attention_weights_masks_and_normalises():
 
 def test_causal_padding_mask_values():
   mask = np.asarray(causal_padding_mask(jnp.array([[7, 8, 9, 0]])))
-  expected = np.array([[1, 0, 0, 0],
-                       [1, 1, 0, 0],
-                       [1, 1, 1, 0],
-                       [1, 1, 1, 0]], bool)
+  expected = np.array([[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 0]], bool)
   assert mask.shape == (1, 1, 4, 4)
   np.testing.assert_array_equal(mask[0, 0], expected)
 
@@ -205,8 +217,11 @@ def test_separate_qk_and_v_dims():
   cfg = TINY.replace(qk_dim=3, v_dim=5)
   shapes = _paths(_param_shapes(cfg))
   n = cfg.num_encoder_layers
-  for stack in ('encoder_layers/self_attention', 'decoder_layers/self_attention',
-                'decoder_layers/cross_attention'):
+  for stack in (
+    'encoder_layers/self_attention',
+    'decoder_layers/self_attention',
+    'decoder_layers/cross_attention',
+  ):
     assert shapes[f'{stack}/query/kernel'] == (n, 16, 2, 3)
     assert shapes[f'{stack}/key/kernel'] == (n, 16, 2, 3)
     assert shapes[f'{stack}/value/kernel'] == (n, 16, 2, 5)
@@ -216,6 +231,7 @@ def test_separate_qk_and_v_dims():
 
 
 # --- masking at the model level ----------------------------------------------------------------
+
 
 @pytest.mark.parametrize('j', [0, 2, 5])
 def test_decoder_cannot_see_the_future(j):
@@ -266,6 +282,7 @@ def test_source_longer_than_max_len_is_rejected():
 
 # --- parameter counts and embedding sharing ----------------------------------------------------
 
+
 def _paper_param_count(vocab, d, d_ff, n):
   """Shared embedding V*d, no output bias, plus per layer:
   encoder: 4*d*d [q, k, v, out; no biases] + 2*d*d_ff + d_ff + d [FFN] + 2*2*d [2 LNs]
@@ -294,7 +311,8 @@ def test_shared_embedding_is_one_matrix_and_the_output_layer():
   # Tied output layer: zeroing embedding row 13 makes logit 13 exactly 0 everywhere.
   params = dict(_random_params(TINY))
   params['shared_embedding'] = {
-      'embedding': params['shared_embedding']['embedding'].at[13].set(0.0)}
+    'embedding': params['shared_embedding']['embedding'].at[13].set(0.0)
+  }
   logits = _logits(TINY, params)
   np.testing.assert_array_equal(logits[..., 13], 0.0)
   assert np.all(np.abs(logits[..., 12]) > 0)
@@ -304,8 +322,11 @@ def test_unshared_embeddings_have_their_own_output_projection():
   cfg = TINY.replace(share_embeddings=False)
   shapes = _paths(_param_shapes(cfg))
   vocab_matrices = sorted(k for k, s in shapes.items() if VOCAB in s)
-  assert vocab_matrices == ['output_projection/kernel', 'source_embedding/embedding',
-                            'target_embedding/embedding']
+  assert vocab_matrices == [
+    'output_projection/kernel',
+    'source_embedding/embedding',
+    'target_embedding/embedding',
+  ]
   assert shapes['source_embedding/embedding'] == (VOCAB, 16)
   assert shapes['target_embedding/embedding'] == (VOCAB, 16)
   assert shapes['output_projection/kernel'] == (16, VOCAB)
@@ -317,12 +338,19 @@ def test_unshared_embeddings_have_their_own_output_projection():
 
 # --- variants ----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize('changes,extra_params', [
+
+@pytest.mark.parametrize(
+  'changes,extra_params',
+  [
     (dict(pre_norm=True), ['encoder_norm/scale', 'decoder_norm/scale']),
-    (dict(learned_positions=True), ['source_embedder/position_embedding',
-                                    'target_embedder/position_embedding']),
+    (
+      dict(learned_positions=True),
+      ['source_embedder/position_embedding', 'target_embedder/position_embedding'],
+    ),
     (dict(share_embeddings=False), ['output_projection/kernel']),
-], ids=['pre_norm', 'learned_positions', 'unshared'])
+  ],
+  ids=['pre_norm', 'learned_positions', 'unshared'],
+)
 def test_variants_run(changes, extra_params):
   cfg = TINY.replace(**changes)
   params = _random_params(cfg)
@@ -353,22 +381,25 @@ def test_bfloat16_compute():
 
 def _assert_same_training_gradients(params, cfg, reference_cfg):
   """Parameter gradients of a training-mode loss agree, leaf by leaf, to 1e-5 of each's max."""
+
   def loss(params, cfg):
     logits = Transformer(cfg).apply({'params': params}, SRC, TGT, deterministic=False)
     return jnp.mean(jax.nn.log_softmax(logits)[..., 3])
 
   grads = jax.jit(jax.grad(loss), static_argnums=1)(params, cfg)
   reference_grads = jax.jit(jax.grad(loss), static_argnums=1)(params, reference_cfg)
-  for got, want in zip(jax.tree_util.tree_leaves(grads),
-                       jax.tree_util.tree_leaves(reference_grads)):
+  for got, want in zip(
+    jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(reference_grads)
+  ):
     assert np.abs(want).max() > 0
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
 
 
 def test_remat_gives_the_same_logits_and_gradients():
   cfg = TINY.replace(remat=True)
-  assert (jax.tree_util.tree_structure(_param_shapes(cfg))
-          == jax.tree_util.tree_structure(_param_shapes(TINY)))
+  assert jax.tree_util.tree_structure(_param_shapes(cfg)) == jax.tree_util.tree_structure(
+    _param_shapes(TINY)
+  )
   params = _random_params(TINY)
   np.testing.assert_allclose(_logits(cfg, params), _logits(TINY, params), rtol=0, atol=1e-5)
 
@@ -384,15 +415,21 @@ def test_xla_attention_impl_gives_the_same_logits_gradients_and_cache():
   cfg = TINY.replace(attention_impl='xla', attention_dropout_rate=0.0, dropout_rate=0.0)
   reference_cfg = cfg.replace(attention_impl='einsum')
   params = _random_params(TINY)
-  np.testing.assert_allclose(_logits(cfg, params), _logits(reference_cfg, params),
-                             rtol=0, atol=1e-5)
+  np.testing.assert_allclose(
+    _logits(cfg, params), _logits(reference_cfg, params), rtol=0, atol=1e-5
+  )
 
   _assert_same_training_gradients(params, cfg, reference_cfg)
 
   src = np.array([[5, 6, 7, 8, 0, 0], [9, 4, 3, 12, 20, 11]], np.int32)
-  decoded = [np.asarray(jax.jit(functools.partial(inference.greedy_decode, Transformer(c),
-                                                  max_decode_len=10))(params, src))
-             for c in (cfg, reference_cfg)]
+  decoded = [
+    np.asarray(
+      jax.jit(functools.partial(inference.greedy_decode, Transformer(c), max_decode_len=10))(
+        params, src
+      )
+    )
+    for c in (cfg, reference_cfg)
+  ]
   np.testing.assert_array_equal(decoded[0], decoded[1])
 
 
@@ -401,18 +438,22 @@ def test_attention_maps_come_from_the_einsum_path_whatever_the_impl():
   params = _random_params(TINY)
   _, state = Transformer(cfg).apply({'params': params}, SRC, TGT, mutable=['intermediates'])
   _, reference = Transformer(cfg.replace(attention_impl='einsum')).apply(
-      {'params': params}, SRC, TGT, mutable=['intermediates'])
+    {'params': params}, SRC, TGT, mutable=['intermediates']
+  )
   got, want = jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(reference)
   assert len(got) == len(want) == 3  # encoder self, decoder self, cross (layers stacked)
   for a, b in zip(got, want):
     np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize('changes,message', [
+@pytest.mark.parametrize(
+  'changes,message',
+  [
     (dict(attention_impl='flash'), 'attention_impl must be one of einsum, xla, cudnn'),
     (dict(attention_impl='xla', attention_dropout_rate=0.1), 'has no attention dropout'),
     (dict(attention_impl='cudnn'), 'needs dtype bfloat16 or float16'),
-])
+  ],
+)
 def test_config_rejects_bad_attention_impl(changes, message):
   with pytest.raises(ValueError, match=message):
     TransformerConfig(vocab_size=10, **{'attention_dropout_rate': 0.0, **changes})
@@ -424,8 +465,7 @@ def test_dropout():
 
   @jax.jit
   def train_logits(key):
-    return model.apply({'params': params}, SRC, TGT, deterministic=False,
-                       rngs={'dropout': key})
+    return model.apply({'params': params}, SRC, TGT, deterministic=False, rngs={'dropout': key})
 
   a = np.asarray(train_logits(jax.random.key(1)))
   b = np.asarray(train_logits(jax.random.key(1)))
@@ -439,6 +479,7 @@ def test_dropout():
 
 # --- cached decoding ---------------------------------------------------------------------------
 
+
 def test_cached_decoding_equals_full_decode():
   model = Transformer(TINY)
   params = _random_params(TINY)
@@ -450,9 +491,15 @@ def test_cached_decoding_equals_full_decode():
     cache = inference.init_cache(model, params, encoded, src, max_decode_len)
 
     def step(cache, token):  # token [b]
-      logits, variables = model.apply({'params': params, 'cache': cache}, encoded, src,
-                                      token[:, None], use_cache=True, mutable=['cache'],
-                                      method=Transformer.decode)
+      logits, variables = model.apply(
+        {'params': params, 'cache': cache},
+        encoded,
+        src,
+        token[:, None],
+        use_cache=True,
+        mutable=['cache'],
+        method=Transformer.decode,
+      )
       return variables['cache'], logits[:, 0]
 
     cache, logits = jax.lax.scan(step, cache, tgt.T)
@@ -465,14 +512,17 @@ def test_cached_decoding_equals_full_decode():
   np.testing.assert_allclose(np.asarray(logits), full, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize('share_embeddings,seed', [
+@pytest.mark.parametrize(
+  'share_embeddings,seed',
+  [
     # Untied output layer: a random model's argmax then varies along the sequence.
     pytest.param(False, 6, id='varied_tokens'),
     # This random model scores PAD_ID (0) highest for row 1's first token. Were PAD emitted,
     # the uncached reference would mask it as padding while the cache attends to it, and the
     # outputs would part (they did, before decode.py excluded PAD from the argmax).
     pytest.param(True, 5, id='would_emit_pad'),
-])
+  ],
+)
 def test_greedy_decode_cached_equals_uncached(share_embeddings, seed):
   cfg = TINY.replace(share_embeddings=share_embeddings)
   model = Transformer(cfg)
@@ -480,8 +530,9 @@ def test_greedy_decode_cached_equals_uncached(share_embeddings, seed):
   src = np.array([[5, 6, 7, 8, 0, 0], [9, 4, 3, 12, 20, 11]], np.int32)
   outputs = {}
   for use_cache in (True, False):
-    decode_fn = jax.jit(functools.partial(inference.greedy_decode, model, max_decode_len=12,
-                                          use_cache=use_cache))
+    decode_fn = jax.jit(
+      functools.partial(inference.greedy_decode, model, max_decode_len=12, use_cache=use_cache)
+    )
     outputs[use_cache] = np.asarray(decode_fn(params, src))
   assert outputs[True].shape == (2, 12)
   np.testing.assert_array_equal(outputs[True], outputs[False])
@@ -496,6 +547,7 @@ def test_greedy_decode_cached_equals_uncached(share_embeddings, seed):
 
 # --- config ------------------------------------------------------------------------------------
 
+
 def test_config_indivisible_d_model():
   with pytest.raises(ValueError, match='d_model'):
     TransformerConfig(vocab_size=10, d_model=10, num_heads=3)
@@ -505,9 +557,20 @@ def test_config_indivisible_d_model():
   assert (cfg.head_qk_dim, cfg.head_v_dim) == (4, 2)
 
 
-@pytest.mark.parametrize('field', ['vocab_size', 'd_model', 'd_ff', 'num_heads',
-                                   'num_encoder_layers', 'num_decoder_layers', 'max_len',
-                                   'qk_dim', 'v_dim'])
+@pytest.mark.parametrize(
+  'field',
+  [
+    'vocab_size',
+    'd_model',
+    'd_ff',
+    'num_heads',
+    'num_encoder_layers',
+    'num_decoder_layers',
+    'max_len',
+    'qk_dim',
+    'v_dim',
+  ],
+)
 @pytest.mark.parametrize('value', [0, -1])
 def test_config_rejects_non_positive_sizes(field, value):
   fields = dict(vocab_size=10, d_model=8, num_heads=2)

@@ -27,7 +27,7 @@ def _free_port() -> int:
 
 def _write_config(tmp_path, data_dir) -> str:
   path = tmp_path / 'multihost_config.py'
-  path.write_text(f'''
+  path.write_text(f"""
 import sys
 sys.path.insert(0, {os.path.join(REPO_ROOT, 'tests')!r})
 from conftest import tiny_config
@@ -48,23 +48,30 @@ def get_config():
   config.eval_decode_examples = 32  # Decoded across both processes at the final evaluation.
   config.eval_batch_size = 16
   return config
-''')
+""")
   return str(path)
 
 
 def _launch(workdir, config_path, devices, process_id=None, port=None):
   # Compiling dominates these runs; XLA's CPU backend compiles ~2x faster at optimisation
   # level 0. Every run here uses the same flags, so the comparisons are unaffected.
-  env = dict(os.environ, JAX_PLATFORMS='cpu',
-             XLA_FLAGS=f'--xla_force_host_platform_device_count={devices} '
-                       '--xla_backend_optimization_level=0 '
-                       '--xla_llvm_disable_expensive_passes=true')
+  env = dict(
+    os.environ,
+    JAX_PLATFORMS='cpu',
+    XLA_FLAGS=f'--xla_force_host_platform_device_count={devices} '
+    '--xla_backend_optimization_level=0 '
+    '--xla_llvm_disable_expensive_passes=true',
+  )
   command = [sys.executable, 'train.py', f'--workdir={workdir}', f'--config={config_path}']
   if process_id is not None:
-    command += [f'--coordinator_address=127.0.0.1:{port}', '--num_processes=2',
-                f'--process_id={process_id}']
-  return subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True)
+    command += [
+      f'--coordinator_address=127.0.0.1:{port}',
+      '--num_processes=2',
+      f'--process_id={process_id}',
+    ]
+  return subprocess.Popen(
+    command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+  )
 
 
 def _run_pair(workdir, config_path, preempt_after_step=None):
@@ -117,18 +124,25 @@ def test_two_processes_equal_one_stop_together_and_resume_in_one(tmp_path, data_
   resumed_log = resumed.communicate(timeout=300)[0]
   assert resumed.returncode == 0, resumed_log[-3000:]
   assert f'resumed from {workdir}/checkpoints at step {stopped_at}' in resumed_log
+
   # The loss at every logged step (the two processes' steps, then the one's) and the final
   # evaluation (loss, token accuracy, greedy decoding, BLEU, chrF) are the uninterrupted
   # single process's, to the printed digits.
   def losses(log):  # {step: the loss printed for the steps since the previous log line}
-    return {int(line.split('step ')[1].split('/')[0]): line.split('| loss ')[1].split(' ')[0]
-            for line in log.splitlines() if '| loss ' in line}
+    return {
+      int(line.split('step ')[1].split('/')[0]): line.split('| loss ')[1].split(' ')[0]
+      for line in log.splitlines()
+      if '| loss ' in line
+    }
+
   before, after, reference = losses(log_0), losses(resumed_log), losses(reference_log)
   del after[min(after)]  # It averages only the steps since the restore.
   assert max(before) <= stopped_at < min(after) and len(before) >= 2 and len(after) >= 2
   assert {**before, **after} == {step: reference[step] for step in {**before, **after}}
-  assert _final_eval_line(resumed_log).split('eval step')[1] == \
-      _final_eval_line(reference_log).split('eval step')[1]
+  assert (
+    _final_eval_line(resumed_log).split('eval step')[1]
+    == _final_eval_line(reference_log).split('eval step')[1]
+  )
 
   params_one = Translator.from_checkpoint(str(tmp_path / 'one')).params
   params_two = Translator.from_checkpoint(str(workdir)).params

@@ -13,62 +13,66 @@ from transformer_jax.data import number_words as nw
 # (n, English, German). German follows standard orthography: one word below a
 # million, 'eins' only at the very end, 'ein' before hundert/tausend/und.
 CASES = [
-    (0, 'zero', 'null'),
-    (1, 'one', 'eins'),
-    (5, 'five', 'fünf'),
-    (7, 'seven', 'sieben'),
-    (10, 'ten', 'zehn'),
-    (11, 'eleven', 'elf'),
-    (12, 'twelve', 'zwölf'),
-    (13, 'thirteen', 'dreizehn'),
-    (16, 'sixteen', 'sechzehn'),
-    (17, 'seventeen', 'siebzehn'),
-    (19, 'nineteen', 'neunzehn'),
-    (20, 'twenty', 'zwanzig'),
-    (21, 'twenty-one', 'einundzwanzig'),
-    (30, 'thirty', 'dreißig'),
-    (42, 'forty-two', 'zweiundvierzig'),
-    (60, 'sixty', 'sechzig'),
-    (66, 'sixty-six', 'sechsundsechzig'),
-    (70, 'seventy', 'siebzig'),
-    (71, 'seventy-one', 'einundsiebzig'),
-    (77, 'seventy-seven', 'siebenundsiebzig'),
-    (99, 'ninety-nine', 'neunundneunzig'),
-    (100, 'one hundred', 'einhundert'),
-    (101, 'one hundred one', 'einhunderteins'),
-    (111, 'one hundred eleven', 'einhundertelf'),
-    (115, 'one hundred fifteen', 'einhundertfünfzehn'),
-    (200, 'two hundred', 'zweihundert'),
-    (999, 'nine hundred ninety-nine', 'neunhundertneunundneunzig'),
-    (1000, 'one thousand', 'eintausend'),
-    (1001, 'one thousand one', 'eintausendeins'),
-    (1100, 'one thousand one hundred', 'eintausendeinhundert'),
-    (2021, 'two thousand twenty-one', 'zweitausendeinundzwanzig'),
-    (10000, 'ten thousand', 'zehntausend'),
-    (17017, 'seventeen thousand seventeen', 'siebzehntausendsiebzehn'),
-    (100000, 'one hundred thousand', 'einhunderttausend'),
-    (201000, 'two hundred one thousand', 'zweihunderteintausend'),
-    (211000, 'two hundred eleven thousand', 'zweihundertelftausend'),
-    (342005, 'three hundred forty-two thousand five',
-     'dreihundertzweiundvierzigtausendfünf'),
-    (999999, 'nine hundred ninety-nine thousand nine hundred ninety-nine',
-     'neunhundertneunundneunzigtausendneunhundertneunundneunzig'),
-    (1000000, 'one million', 'eine Million'),
-    (1000001, 'one million one', 'eine Million eins'),
-    (1000100, 'one million one hundred', 'eine Million einhundert'),
-    (2000000, 'two million', 'zwei Millionen'),
-    (2300001, 'two million three hundred thousand one',
-     'zwei Millionen dreihunderttausendeins'),
-    (3500021, 'three million five hundred thousand twenty-one',
-     'drei Millionen fünfhunderttausendeinundzwanzig'),
-    (16000000, 'sixteen million', 'sechzehn Millionen'),
-    (21000000, 'twenty-one million', 'einundzwanzig Millionen'),
-    (101000000, 'one hundred one million', 'einhunderteins Millionen'),
-    (999999999,
-     'nine hundred ninety-nine million nine hundred ninety-nine thousand '
-     'nine hundred ninety-nine',
-     'neunhundertneunundneunzig Millionen '
-     'neunhundertneunundneunzigtausendneunhundertneunundneunzig'),
+  (0, 'zero', 'null'),
+  (1, 'one', 'eins'),
+  (5, 'five', 'fünf'),
+  (7, 'seven', 'sieben'),
+  (10, 'ten', 'zehn'),
+  (11, 'eleven', 'elf'),
+  (12, 'twelve', 'zwölf'),
+  (13, 'thirteen', 'dreizehn'),
+  (16, 'sixteen', 'sechzehn'),
+  (17, 'seventeen', 'siebzehn'),
+  (19, 'nineteen', 'neunzehn'),
+  (20, 'twenty', 'zwanzig'),
+  (21, 'twenty-one', 'einundzwanzig'),
+  (30, 'thirty', 'dreißig'),
+  (42, 'forty-two', 'zweiundvierzig'),
+  (60, 'sixty', 'sechzig'),
+  (66, 'sixty-six', 'sechsundsechzig'),
+  (70, 'seventy', 'siebzig'),
+  (71, 'seventy-one', 'einundsiebzig'),
+  (77, 'seventy-seven', 'siebenundsiebzig'),
+  (99, 'ninety-nine', 'neunundneunzig'),
+  (100, 'one hundred', 'einhundert'),
+  (101, 'one hundred one', 'einhunderteins'),
+  (111, 'one hundred eleven', 'einhundertelf'),
+  (115, 'one hundred fifteen', 'einhundertfünfzehn'),
+  (200, 'two hundred', 'zweihundert'),
+  (999, 'nine hundred ninety-nine', 'neunhundertneunundneunzig'),
+  (1000, 'one thousand', 'eintausend'),
+  (1001, 'one thousand one', 'eintausendeins'),
+  (1100, 'one thousand one hundred', 'eintausendeinhundert'),
+  (2021, 'two thousand twenty-one', 'zweitausendeinundzwanzig'),
+  (10000, 'ten thousand', 'zehntausend'),
+  (17017, 'seventeen thousand seventeen', 'siebzehntausendsiebzehn'),
+  (100000, 'one hundred thousand', 'einhunderttausend'),
+  (201000, 'two hundred one thousand', 'zweihunderteintausend'),
+  (211000, 'two hundred eleven thousand', 'zweihundertelftausend'),
+  (342005, 'three hundred forty-two thousand five', 'dreihundertzweiundvierzigtausendfünf'),
+  (
+    999999,
+    'nine hundred ninety-nine thousand nine hundred ninety-nine',
+    'neunhundertneunundneunzigtausendneunhundertneunundneunzig',
+  ),
+  (1000000, 'one million', 'eine Million'),
+  (1000001, 'one million one', 'eine Million eins'),
+  (1000100, 'one million one hundred', 'eine Million einhundert'),
+  (2000000, 'two million', 'zwei Millionen'),
+  (2300001, 'two million three hundred thousand one', 'zwei Millionen dreihunderttausendeins'),
+  (
+    3500021,
+    'three million five hundred thousand twenty-one',
+    'drei Millionen fünfhunderttausendeinundzwanzig',
+  ),
+  (16000000, 'sixteen million', 'sechzehn Millionen'),
+  (21000000, 'twenty-one million', 'einundzwanzig Millionen'),
+  (101000000, 'one hundred one million', 'einhunderteins Millionen'),
+  (
+    999999999,
+    'nine hundred ninety-nine million nine hundred ninety-nine thousand nine hundred ninety-nine',
+    'neunhundertneunundneunzig Millionen neunhundertneunundneunzigtausendneunhundertneunundneunzig',
+  ),
 ]
 
 
@@ -108,8 +112,7 @@ def test_split_of_fractions_and_stability():
   assert counts['validation'] / 100_000 == pytest.approx(0.03, abs=0.005)
   assert counts['test'] / 100_000 == pytest.approx(0.03, abs=0.005)
   # A pure function of n (and so disjoint by construction), stable across calls.
-  assert [nw.split_of(n) for n in range(1000)] == [
-      nw.split_of(n) for n in range(1000)]
+  assert [nw.split_of(n) for n in range(1000)] == [nw.split_of(n) for n in range(1000)]
 
 
 @pytest.mark.parametrize('split', nw.SPLITS)
@@ -119,14 +122,12 @@ def test_sample_numbers(split):
   assert numbers != nw.sample_numbers(split, 2_000, seed=1)
   assert numbers[:100] == nw.sample_numbers(split, 100, seed=0)
   assert len(numbers) == len(set(numbers)) == 2_000
-  assert all(0 <= n <= nw.MAX_NUMBER and nw.split_of(n) == split
-             for n in numbers)
+  assert all(0 <= n <= nw.MAX_NUMBER and nw.split_of(n) == split for n in numbers)
   lengths = {len(str(n)) for n in numbers}
   for digits in range(1, 10):
     # Short lengths have only a few numbers, and a split may own none.
     low = 0 if digits == 1 else 10 ** (digits - 1)
-    owns_any = digits > 4 or any(
-        nw.split_of(n) == split for n in range(low, 10 ** digits))
+    owns_any = digits > 4 or any(nw.split_of(n) == split for n in range(low, 10**digits))
     assert (digits in lengths) == owns_any, digits
 
 
@@ -153,22 +154,25 @@ def test_prepare_twice_reuses(tiny_dir):
 
 
 def test_tiny_data_source(tiny_dir):
-  sources = tfds.data_source('number_words/tiny', data_dir=tiny_dir,
-                             try_gcs=False)
+  sources = tfds.data_source('number_words/tiny', data_dir=tiny_dir, try_gcs=False)
   config = nw.NumberWords.builder_configs['tiny']
-  sizes = {'train': config.train_size, 'validation': config.validation_size,
-           'test': config.test_size}
+  sizes = {
+    'train': config.train_size,
+    'validation': config.validation_size,
+    'test': config.test_size,
+  }
   assert {split: len(source) for split, source in sources.items()} == sizes
 
   pairs = {}
   for split, source in sources.items():
     records = [source[i] for i in range(len(source))]
-    assert all(isinstance(r['en'], bytes) and isinstance(r['de'], bytes)
-               for r in records)
+    assert all(isinstance(r['en'], bytes) and isinstance(r['de'], bytes) for r in records)
     pairs[split] = {(r['en'].decode(), r['de'].decode()) for r in records}
     # The builder's keys are the numbers sample_numbers draws (seed 0).
-    expected = {(nw.english_words(n), nw.german_words(n))
-                for n in nw.sample_numbers(split, sizes[split], seed=0)}
+    expected = {
+      (nw.english_words(n), nw.german_words(n))
+      for n in nw.sample_numbers(split, sizes[split], seed=0)
+    }
     assert pairs[split] == expected
   english = {split: {en for en, _ in p} for split, p in pairs.items()}
   assert not english['test'] & english['train']

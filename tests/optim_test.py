@@ -10,7 +10,7 @@ from transformer_jax.optim import make_optimizer, rsqrt_schedule
 
 def _paper_lr(step, d_model=512, warmup=4000, scale=1.0):
   """lrate = d_model^-0.5 * min(step^-0.5, step * warmup^-1.5), step counted from 1."""
-  return scale * d_model ** -0.5 * min(step ** -0.5, step * warmup ** -1.5)
+  return scale * d_model**-0.5 * min(step**-0.5, step * warmup**-1.5)
 
 
 @pytest.mark.parametrize('count', [0, 1, 399, 3999, 4000, 9999])
@@ -42,7 +42,7 @@ def _adam_reference(grads, lrs, b1=0.9, b2=0.98, eps=1e-9):
     g = np.asarray(g, np.float64)
     m = b1 * m + (1 - b1) * g
     v = b2 * v + (1 - b2) * g * g
-    m_hat, v_hat = m / (1 - b1 ** t), v / (1 - b2 ** t)
+    m_hat, v_hat = m / (1 - b1**t), v / (1 - b2**t)
     updates.append(-lr * m_hat / (np.sqrt(v_hat) + eps))
   return updates
 
@@ -61,8 +61,9 @@ def test_make_optimizer_is_papers_adam():
   lrs = [float(schedule(0)), float(schedule(1))]
   expected = _adam_reference([g1, g2], lrs)
   # First step: bias correction makes it -lr * g / (|g| + eps).
-  np.testing.assert_allclose(expected[0],
-                             -lrs[0] * g1.astype(np.float64) / (np.abs(g1) + 1e-9), rtol=1e-7)
+  np.testing.assert_allclose(
+    expected[0], -lrs[0] * g1.astype(np.float64) / (np.abs(g1) + 1e-9), rtol=1e-7
+  )
   np.testing.assert_allclose(got[0][2], -lrs[0] / 2, rtol=1e-5)
   for step in range(2):
     np.testing.assert_allclose(got[step], expected[step], rtol=1e-5)
@@ -94,5 +95,4 @@ def test_make_optimizer_clips_global_norm():
 def test_make_optimizer_scale():
   _, schedule = make_optimizer(d_model=512, warmup_steps=4000, learning_rate_scale=2.0)
   np.testing.assert_allclose(float(schedule(3999)), 2.0 * _paper_lr(4000), rtol=1e-5)
-  assert isinstance(make_optimizer(d_model=512, warmup_steps=4000)[0],
-                    optax.GradientTransformation)
+  assert isinstance(make_optimizer(d_model=512, warmup_steps=4000)[0], optax.GradientTransformation)

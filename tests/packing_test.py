@@ -26,9 +26,17 @@ from transformer_jax.losses import label_smoothed_cross_entropy
 from transformer_jax.models import Transformer, segment_positions, sinusoidal_positions
 
 VOCAB = 40
-CFG = TransformerConfig(vocab_size=VOCAB, d_model=16, d_ff=32, num_heads=2,
-                        num_encoder_layers=1, num_decoder_layers=1, max_len=16,
-                        dropout_rate=0.0, attention_dropout_rate=0.0)
+CFG = TransformerConfig(
+  vocab_size=VOCAB,
+  d_model=16,
+  d_ff=32,
+  num_heads=2,
+  num_encoder_layers=1,
+  num_decoder_layers=1,
+  max_len=16,
+  dropout_rate=0.0,
+  attention_dropout_rate=0.0,
+)
 SMOOTHING = 0.1
 LENGTH = 12  # Packed row length of the model tests.
 # (source length, target length) of the model tests' examples, EOS included.
@@ -49,6 +57,7 @@ FAST_COMPILE = {'xla_backend_optimization_level': 0}
 
 # --- helpers -----------------------------------------------------------------------------------
 
+
 def _split_from(inputs, targets):
   return TokenizedSplit.from_sequences(inputs, targets)
 
@@ -56,7 +65,10 @@ def _split_from(inputs, targets):
 def _model_split():
   """Random token ids (3..VOCAB-1) ending with EOS, for EXAMPLE_LENGTHS."""
   rng = np.random.default_rng(0)
-  ids = lambda n: list(rng.integers(3, VOCAB, n - 1)) + [EOS_ID]
+
+  def ids(n):
+    return list(rng.integers(3, VOCAB, n - 1)) + [EOS_ID]
+
   return _split_from([ids(s) for s, _ in EXAMPLE_LENGTHS], [ids(t) for _, t in EXAMPLE_LENGTHS])
 
 
@@ -65,12 +77,16 @@ def _multi30k_like_split(num_examples=NUM_EXAMPLES, seed=0):
   inputs start with 4 + i and its targets with TARGET_ID_BASE + i, so a row names its pairs."""
   rng = np.random.default_rng(seed)
   sigma2 = np.log(1 + (5 / 14) ** 2)
-  source = np.clip(np.rint(rng.lognormal(np.log(14) - sigma2 / 2, np.sqrt(sigma2),
-                                         num_examples)), 2, 70).astype(np.int64)
+  source = np.clip(
+    np.rint(rng.lognormal(np.log(14) - sigma2 / 2, np.sqrt(sigma2), num_examples)), 2, 70
+  ).astype(np.int64)
   target = np.clip(source + rng.integers(-3, 4, num_examples), 2, 70)
   source = np.concatenate([source, [64, 65, 10, 80]])
   target = np.concatenate([target, [64, 10, 65, 80]])
-  body = lambda i, n: [(i * 7 + j) % 500 + 4 for j in range(1, n - 1)]
+
+  def body(i, n):
+    return [(i * 7 + j) % 500 + 4 for j in range(1, n - 1)]
+
   inputs = [[4 + i] + body(i, n) + [EOS_ID] for i, n in enumerate(source)]
   targets = [[TARGET_ID_BASE + i] + body(i, n) + [EOS_ID] for i, n in enumerate(target)]
   return _split_from(inputs, targets)
@@ -82,9 +98,14 @@ def split():
 
 
 def _random_params(cfg, seed=0):
-  shapes = meta.unbox(jax.eval_shape(Transformer(cfg).init, jax.random.key(0),
-                                     jnp.ones((1, 1), jnp.int32),
-                                     jnp.ones((1, 1), jnp.int32))['params'])
+  shapes = meta.unbox(
+    jax.eval_shape(
+      Transformer(cfg).init,
+      jax.random.key(0),
+      jnp.ones((1, 1), jnp.int32),
+      jnp.ones((1, 1), jnp.int32),
+    )['params']
+  )
   rng = np.random.default_rng(seed)
 
   def one(path, leaf):
@@ -99,8 +120,10 @@ def _random_params(cfg, seed=0):
 @functools.lru_cache(maxsize=None)
 def _forward():
   model = Transformer(CFG)
-  return jax.jit(lambda params, src, tgt_in, packing: model.apply(
-      {'params': params}, src, tgt_in, **packing), compiler_options=FAST_COMPILE)
+  return jax.jit(
+    lambda params, src, tgt_in, packing: model.apply({'params': params}, src, tgt_in, **packing),
+    compiler_options=FAST_COMPILE,
+  )
 
 
 def _logits(params, batch):
@@ -126,7 +149,7 @@ def _unpacked_model_batch(split):
   batch = {side: np.zeros((len(split), LENGTH), np.int32) for side in ('inputs', 'targets')}
   for i in range(len(split)):
     for side in ('inputs', 'targets'):
-      batch[side][i, :len(split[i][side])] = split[i][side]
+      batch[side][i, : len(split[i][side])] = split[i][side]
   return batch
 
 
@@ -144,8 +167,10 @@ def _where_packed(batch):
 def _masked_losses():
   """(logits [b, t, v], targets [b, t], masks [n, b, t]) -> the n masked label-smoothed loss
   sums: one jitted call of the project's loss per batch shape."""
-  loss = lambda logits, targets, mask: label_smoothed_cross_entropy(logits, targets, mask,
-                                                                    SMOOTHING)[0]
+
+  def loss(logits, targets, mask):
+    return label_smoothed_cross_entropy(logits, targets, mask, SMOOTHING)[0]
+
   return jax.jit(jax.vmap(loss, in_axes=(None, None, 0)), compiler_options=FAST_COMPILE)
 
 
@@ -158,43 +183,47 @@ def _per_token_losses(logits, targets):
 
 # --- shift_right and positions -----------------------------------------------------------------
 
+
 def test_shift_right_restarts_per_segment():
-  targets = np.array([[5, 6, 1, 7, 1, 8, 9, 1, 0, 0],
-                      [3, 4, 5, 1, 6, 1, 0, 0, 0, 0]], np.int32)
-  segments = np.array([[1, 1, 1, 2, 2, 3, 3, 3, 0, 0],
-                       [1, 1, 1, 1, 2, 2, 0, 0, 0, 0]], np.int32)
+  targets = np.array([[5, 6, 1, 7, 1, 8, 9, 1, 0, 0], [3, 4, 5, 1, 6, 1, 0, 0, 0, 0]], np.int32)
+  segments = np.array([[1, 1, 1, 2, 2, 3, 3, 3, 0, 0], [1, 1, 1, 1, 2, 2, 0, 0, 0, 0]], np.int32)
   B = BOS_ID
-  expected = [[B, 5, 6, B, 7, B, 8, 9, 0, 0],
-              [B, 3, 4, 5, B, 6, 0, 0, 0, 0]]
+  expected = [[B, 5, 6, B, 7, B, 8, 9, 0, 0], [B, 3, 4, 5, B, 6, 0, 0, 0, 0]]
   np.testing.assert_array_equal(train_lib.shift_right(targets, segments), expected)
   # Without segment ids: unchanged (the previous example's EOS runs into the next position).
-  np.testing.assert_array_equal(train_lib.shift_right(targets[:1]),
-                                [[B, 5, 6, 1, 7, 1, 8, 9, 1, 0]])
+  np.testing.assert_array_equal(
+    train_lib.shift_right(targets[:1]), [[B, 5, 6, 1, 7, 1, 8, 9, 1, 0]]
+  )
   # One example per row: the same as the plain shift at every real position.
   single = (targets[:, :4] != 0).astype(np.int32)
-  np.testing.assert_array_equal(train_lib.shift_right(targets[:, :4], single),
-                                train_lib.shift_right(targets[:, :4]))
+  np.testing.assert_array_equal(
+    train_lib.shift_right(targets[:, :4], single), train_lib.shift_right(targets[:, :4])
+  )
 
 
 def test_positions_restart_per_segment(split):
-  iterator, plan = make_packed_iterator(split, rows_per_batch=16, length=PACK_LENGTH, seed=SEED,
-                                        num_threads=1)
+  iterator, plan = make_packed_iterator(
+    split, rows_per_batch=16, length=PACK_LENGTH, seed=SEED, num_threads=1
+  )
   batch = next(iterator)
   for side in ('inputs', 'targets'):
     segments, positions = batch[f'{side}_segment_ids'], batch[f'{side}_positions']
-    np.testing.assert_array_equal(np.asarray(segment_positions(jnp.asarray(segments)))
-                                  * (segments > 0), positions)
+    np.testing.assert_array_equal(
+      np.asarray(segment_positions(jnp.asarray(segments))) * (segments > 0), positions
+    )
     starts = (segments > 0) & (np.diff(segments, prepend=-1, axis=1) != 0)
     assert (positions[starts] == 0).all()
     assert starts.sum() > len(segments)  # Several examples per row.
     # The sinusoidal encoding at every segment start is position 0's.
     encoding = np.asarray(sinusoidal_positions(jnp.asarray(positions), 16))
-    np.testing.assert_array_equal(encoding[starts],
-                                  np.broadcast_to(encoding[0, 0], encoding[starts].shape))
+    np.testing.assert_array_equal(
+      encoding[starts], np.broadcast_to(encoding[0, 0], encoding[starts].shape)
+    )
   assert segment_positions(jnp.array([[1, 1, 1, 2, 2, 0, 0]])).tolist() == [[0, 1, 2, 0, 1, 0, 1]]
 
 
 # --- the model honours segments ----------------------------------------------------------------
+
 
 def test_packed_equals_unpacked_logits_and_loss():
   params = _random_params(CFG)
@@ -206,10 +235,14 @@ def test_packed_equals_unpacked_logits_and_loss():
   for example, (row, start, length) in _where_packed(packed).items():
     targets = split[example]['targets']
     assert length == len(targets)
-    np.testing.assert_array_equal(packed['targets'][row, start:start + length], targets)
-    np.testing.assert_allclose(packed_logits[row, start:start + length],
-                               plain_logits[example, :length], atol=1e-5, rtol=1e-5,
-                               err_msg=f'example {example}')
+    np.testing.assert_array_equal(packed['targets'][row, start : start + length], targets)
+    np.testing.assert_allclose(
+      packed_logits[row, start : start + length],
+      plain_logits[example, :length],
+      atol=1e-5,
+      rtol=1e-5,
+      err_msg=f'example {example}',
+    )
     # The example's loss: its tokens' losses summed by segment id, vs its own padded row.
     segment = _segment_of(example)
     packed_loss = packed_losses[row][packed['targets_segment_ids'][row] == segment].sum()
@@ -240,10 +273,13 @@ def test_attention_never_crosses_example_boundaries():
   places = _where_packed(packed)
   for example in (0, 4):
     row, start, length = places[example]
-    np.testing.assert_allclose(after[row, start:start + length],
-                               before[row, start:start + length], atol=1e-6)
+    np.testing.assert_allclose(
+      after[row, start : start + length], before[row, start : start + length], atol=1e-6
+    )
   row, start, length = places[1]
-  assert np.abs(after[row, start:start + length] - before[row, start:start + length]).max() > 1e-2
+  assert (
+    np.abs(after[row, start : start + length] - before[row, start : start + length]).max() > 1e-2
+  )
   np.testing.assert_allclose(after[1], before[1], atol=1e-6)  # The other row.
 
 
@@ -256,21 +292,28 @@ def test_segment_ids_needed_on_both_sides():
 
 # --- train_step / eval_step --------------------------------------------------------------------
 
+
 def test_train_step_packed_equals_unpacked():
   params = _random_params(CFG)
   split, packed = _packed_model_batch(with_positions=True)
   unpacked = _unpacked_model_batch(split)
   model = Transformer(CFG)
-  step = jax.jit(functools.partial(train_lib.train_step, model=model,
-                                   learning_rate_fn=lambda s: 1e-3,
-                                   label_smoothing=SMOOTHING),
-                 compiler_options=FAST_COMPILE)
+  step = jax.jit(
+    functools.partial(
+      train_lib.train_step, model=model, learning_rate_fn=lambda s: 1e-3, label_smoothing=SMOOTHING
+    ),
+    compiler_options=FAST_COMPILE,
+  )
 
   def state():
     return train_lib.TrainState.create(
-        apply_fn=model.apply, params=params, tx=optax.adam(1e-3),
-        dropout_rng=jax.random.PRNGKey(0), skipped_steps=jnp.zeros((), jnp.int32),
-        nonfinite_streak=jnp.zeros((), jnp.int32))
+      apply_fn=model.apply,
+      params=params,
+      tx=optax.adam(1e-3),
+      dropout_rng=jax.random.PRNGKey(0),
+      skipped_steps=jnp.zeros((), jnp.int32),
+      nonfinite_streak=jnp.zeros((), jnp.int32),
+    )
 
   _, packed_metrics = step(state(), packed)
   _, plain_metrics = step(state(), unpacked)
@@ -279,18 +322,22 @@ def test_train_step_packed_equals_unpacked():
   packed_loss = float(packed_metrics['loss_sum']) / real_tokens
   plain_loss = float(plain_metrics['loss_sum']) / real_tokens
   assert abs(packed_loss - plain_loss) < 1e-5, (packed_loss, plain_loss)
-  np.testing.assert_allclose(float(packed_metrics['grad_norm']),
-                             float(plain_metrics['grad_norm']), rtol=1e-5)
+  np.testing.assert_allclose(
+    float(packed_metrics['grad_norm']), float(plain_metrics['grad_norm']), rtol=1e-5
+  )
   assert float(packed_metrics['correct_tokens']) == float(plain_metrics['correct_tokens'])
   # eval_step agrees with the train step's loss on the packed batch (dropout is 0).
-  eval_metrics = jax.jit(functools.partial(train_lib.eval_step, model=model,
-                                           label_smoothing=SMOOTHING),
-                         compiler_options=FAST_COMPILE)(params, packed)
-  np.testing.assert_allclose(float(eval_metrics['loss_sum']),
-                             float(packed_metrics['loss_sum']), rtol=1e-5)
+  eval_metrics = jax.jit(
+    functools.partial(train_lib.eval_step, model=model, label_smoothing=SMOOTHING),
+    compiler_options=FAST_COMPILE,
+  )(params, packed)
+  np.testing.assert_allclose(
+    float(eval_metrics['loss_sum']), float(packed_metrics['loss_sum']), rtol=1e-5
+  )
 
 
 # --- the packer --------------------------------------------------------------------------------
+
 
 def _plan(split, seed=SEED, rows=16):
   source, target = split.lengths()
@@ -316,15 +363,19 @@ def test_every_eligible_example_once_per_epoch(split):
       assert source[m].sum() <= PACK_LENGTH and target[m].sum() <= PACK_LENGTH
     orders.append(members)
   assert not np.array_equal(orders[0], orders[1])
-  listing = lambda p, e: [[m.tolist() for m in b] for b in p.epoch(e)]
+
+  def listing(p, e):
+    return [[m.tolist() for m in b] for b in p.epoch(e)]
+
   assert listing(plan, 1) == listing(_plan(split), 1)
   assert listing(plan, 1) != listing(_plan(split, seed=SEED + 1), 1)
 
 
 def _check_batch(batch, split, rows, length=PACK_LENGTH):
   """Shapes, contents, segment ids and positions of a packed batch; returns its examples."""
-  assert set(batch) == {f'{s}{x}' for s in ('inputs', 'targets')
-                        for x in ('', '_segment_ids', '_positions')}
+  assert set(batch) == {
+    f'{s}{x}' for s in ('inputs', 'targets') for x in ('', '_segment_ids', '_positions')
+  }
   for value in batch.values():
     assert value.dtype == np.int32 and value.shape == (rows, length)
   examples = []
@@ -343,8 +394,9 @@ def _check_batch(batch, split, rows, length=PACK_LENGTH):
       assert not batch[f'{side}_positions'][row, used:].any()
       for k in range(1, count + 1):
         columns = np.flatnonzero(segments == k)
-        np.testing.assert_array_equal(batch[f'{side}_positions'][row, columns],
-                                      np.arange(len(columns)))
+        np.testing.assert_array_equal(
+          batch[f'{side}_positions'][row, columns], np.arange(len(columns))
+        )
         firsts.append(int(ids[columns[0]]))
     sources, targets = firsts[:count], firsts[count:]
     indices = [s - 4 for s in sources]
@@ -352,14 +404,16 @@ def _check_batch(batch, split, rows, length=PACK_LENGTH):
     for k, index in enumerate(indices, start=1):
       for side in ('inputs', 'targets'):
         np.testing.assert_array_equal(
-            batch[side][row][batch[f'{side}_segment_ids'][row] == k], split[index][side])
+          batch[side][row][batch[f'{side}_segment_ids'][row] == k], split[index][side]
+        )
     examples.extend(indices)
   return examples
 
 
 def test_iterator_batches_match_plan(split):
-  iterator, plan = make_packed_iterator(split, tokens_per_batch=PACK_TOKENS, length=PACK_LENGTH,
-                                        seed=SEED, num_threads=1)
+  iterator, plan = make_packed_iterator(
+    split, tokens_per_batch=PACK_TOKENS, length=PACK_LENGTH, seed=SEED, num_threads=1
+  )
   assert plan.rows == PACK_TOKENS // PACK_LENGTH
   size = len(plan.epoch(0))
   seen = []
@@ -399,17 +453,21 @@ def test_process_shards_disjoint_and_complete(split, process_count):
   want = [next(reference) for _ in range(count)]
   shards = []
   for p in range(process_count):
-    iterator, shard_plan = make_packed_iterator(split, process_index=p,
-                                                process_count=process_count, **kwargs)
+    iterator, shard_plan = make_packed_iterator(
+      split, process_index=p, process_count=process_count, **kwargs
+    )
     assert shard_plan.rows == plan.rows and plan.rows % process_count == 0
     shards.append([next(iterator) for _ in range(count)])
   seen = []
   for k in range(count):
     for key in want[k]:
       np.testing.assert_array_equal(
-          np.concatenate([shards[p][k][key] for p in range(process_count)]), want[k][key])
-    per_process = [set(_check_batch(shards[p][k], split, plan.rows // process_count))
-                   for p in range(process_count)]
+        np.concatenate([shards[p][k][key] for p in range(process_count)]), want[k][key]
+      )
+    per_process = [
+      set(_check_batch(shards[p][k], split, plan.rows // process_count))
+      for p in range(process_count)
+    ]
     for a in range(process_count):
       for b in range(a + 1, process_count):
         assert not per_process[a] & per_process[b]
@@ -420,14 +478,14 @@ def test_process_shards_disjoint_and_complete(split, process_count):
 
 def test_rows_and_arguments():
   split = _multi30k_like_split(50)
-  _, plan = make_packed_iterator(split, tokens_per_batch=1000, length=PACK_LENGTH, seed=0,
-                                 process_count=2, devices_per_process=4)
+  _, plan = make_packed_iterator(
+    split, tokens_per_batch=1000, length=PACK_LENGTH, seed=0, process_count=2, devices_per_process=4
+  )
   assert plan.rows == 8  # 1000 // 64 = 15, down to a multiple of 8.
   with pytest.raises(ValueError, match='exactly one'):
     make_packed_iterator(split, length=PACK_LENGTH, seed=0)
   with pytest.raises(ValueError, match='exactly one'):
-    make_packed_iterator(split, rows_per_batch=8, tokens_per_batch=512, length=PACK_LENGTH,
-                         seed=0)
+    make_packed_iterator(split, rows_per_batch=8, tokens_per_batch=512, length=PACK_LENGTH, seed=0)
   with pytest.raises(ValueError, match='multiple'):
     make_packed_iterator(split, rows_per_batch=6, length=PACK_LENGTH, seed=0, process_count=4)
 
@@ -440,13 +498,15 @@ def test_padding_fraction_below_fixed_and_token_budget(split):
   fixed = 1 - real / (2 * len(eligible) * PACK_LENGTH)
   batches = plan.epoch(0)
   packed = plan.padding_fraction(0)
-  assert packed == pytest.approx(1 - real / (2 * len(batches) * plan.rows * PACK_LENGTH),
-                                 abs=1e-12)
-  budget = TokenBudgetPlan(source, target, tokens_per_batch=PACK_TOKENS,
-                           max_length=PACK_LENGTH, seed=SEED).padding_fraction(0)
-  print(f'\npadding on Multi30k-like lengths (L={PACK_LENGTH}, {len(eligible)} pairs): '
-        f'fixed-length {fixed:.1%}, token-budget buckets {budget:.1%}, packed {packed:.1%} '
-        f'({plan.examples_per_row(0):.2f} pairs per row)')
+  assert packed == pytest.approx(1 - real / (2 * len(batches) * plan.rows * PACK_LENGTH), abs=1e-12)
+  budget = TokenBudgetPlan(
+    source, target, tokens_per_batch=PACK_TOKENS, max_length=PACK_LENGTH, seed=SEED
+  ).padding_fraction(0)
+  print(
+    f'\npadding on Multi30k-like lengths (L={PACK_LENGTH}, {len(eligible)} pairs): '
+    f'fixed-length {fixed:.1%}, token-budget buckets {budget:.1%}, packed {packed:.1%} '
+    f'({plan.examples_per_row(0):.2f} pairs per row)'
+  )
   assert fixed > 0.75
   assert packed < 0.10
   assert packed < budget
@@ -455,12 +515,19 @@ def test_padding_fraction_below_fixed_and_token_budget(split):
 
 
 def test_train_iterator_from_config(split):
-  config = ml_collections.ConfigDict({'batching': 'packed', 'max_source_length': 48,
-                                      'max_target_length': PACK_LENGTH,
-                                      'tokens_per_batch': PACK_TOKENS, 'seed': SEED,
-                                      'grad_accum_steps': 1})
-  iterator = input_pipeline.make_train_iterator(split, config,
-                                                local_device_count=jax.local_device_count())
+  config = ml_collections.ConfigDict(
+    {
+      'batching': 'packed',
+      'max_source_length': 48,
+      'max_target_length': PACK_LENGTH,
+      'tokens_per_batch': PACK_TOKENS,
+      'seed': SEED,
+      'grad_accum_steps': 1,
+    }
+  )
+  iterator = input_pipeline.make_train_iterator(
+    split, config, local_device_count=jax.local_device_count()
+  )
   batch = next(iterator)
   rows = PACK_TOKENS // PACK_LENGTH // jax.local_device_count() * jax.local_device_count()
   _check_batch(batch, split, rows)

@@ -23,20 +23,43 @@ from transformer_jax import Transformer, TransformerConfig, models
 # the float64 equations, up to ~9e-6 with dropout's 1 / (1 - rate) scaling.
 ATOL = RTOL = 1e-5
 FAR = 0.1  # A wrong architecture must miss the model by 10^4 times the tolerance.
-CFG = TransformerConfig(vocab_size=11, d_model=8, d_ff=16, num_heads=2, num_encoder_layers=2,
-                        num_decoder_layers=2, max_len=8, dropout_rate=0.1,
-                        attention_dropout_rate=0.1)
+CFG = TransformerConfig(
+  vocab_size=11,
+  d_model=8,
+  d_ff=16,
+  num_heads=2,
+  num_encoder_layers=2,
+  num_decoder_layers=2,
+  max_len=8,
+  dropout_rate=0.1,
+  attention_dropout_rate=0.1,
+)
 # Padding id 0: row 0 pads two source positions and one target position.
 SRC = np.array([[5, 6, 7, 0, 0], [4, 3, 9, 8, 7]], np.int32)
 TGT = np.array([[1, 5, 9, 4], [1, 8, 2, 0]], np.int32)
 # The residual blocks, named (stack, block) as in the parameter tree; also their dropout sites.
-BLOCKS = [('encoder_layers', 'attention_block'), ('encoder_layers', 'ffn_block'),
-          ('decoder_layers', 'self_attention_block'),
-          ('decoder_layers', 'cross_attention_block'), ('decoder_layers', 'ffn_block')]
+BLOCKS = [
+  ('encoder_layers', 'attention_block'),
+  ('encoder_layers', 'ffn_block'),
+  ('decoder_layers', 'self_attention_block'),
+  ('decoder_layers', 'cross_attention_block'),
+  ('decoder_layers', 'ffn_block'),
+]
 # What the paper does; `_reference(..., **changes)` swaps in a wrong variant of one piece.
-PAPER = dict(order=None, orders={}, final_norm=None, act='relu', ffn_bias=True, emb_scale=True,
-             pe='interleaved', logit_scale=1.0, qk_scale=True, causal=True, src_mask=True,
-             drop_before_pe=False)
+PAPER = dict(
+  order=None,
+  orders={},
+  final_norm=None,
+  act='relu',
+  ffn_bias=True,
+  emb_scale=True,
+  pe='interleaved',
+  logit_scale=1.0,
+  qk_scale=True,
+  causal=True,
+  src_mask=True,
+  drop_before_pe=False,
+)
 
 
 @functools.lru_cache(maxsize=None)
@@ -81,17 +104,25 @@ def _model(cfg, dropout_seed=None):
   e.g. ('encoder_layers', 'ffn_block') or ('decoder_layers', 'cross_attention') (attention
   weights).
   """
+
   def forward(params):
-    kwargs = {} if dropout_seed is None else dict(
-        deterministic=False, rngs={'dropout': jax.random.key(dropout_seed)})
+    kwargs = (
+      {}
+      if dropout_seed is None
+      else dict(deterministic=False, rngs={'dropout': jax.random.key(dropout_seed)})
+    )
     with nn.intercept_methods(_capture):
-      return Transformer(cfg).apply({'params': params}, SRC, TGT, mutable=['intermediates'],
-                                    **kwargs)
+      return Transformer(cfg).apply(
+        {'params': params}, SRC, TGT, mutable=['intermediates'], **kwargs
+      )
 
   logits, state = jax.jit(forward)(_params(cfg))
   sown = traverse_util.flatten_dict(state['intermediates'])
-  masks = [(tuple(k for k in path[:-1] if not k.startswith('Dropout')), np.asarray(value[0]))
-           for path, value in sown.items() if path[-1] == 'dropout_keep']
+  masks = [
+    (tuple(k for k in path[:-1] if not k.startswith('Dropout')), np.asarray(value[0]))
+    for path, value in sown.items()
+    if path[-1] == 'dropout_keep'
+  ]
   keep = dict(masks)
   assert len(keep) == len(masks), f'two dropouts in one module: {sorted(p for p, _ in masks)}'
   return np.asarray(logits, np.float64), np.asarray(sown[('encoded',)][0], np.float64), keep
@@ -133,8 +164,12 @@ def _reference(cfg, keep=None, **changes):
     return x * (keep[site] if layer is None else keep[site][layer]) / (1.0 - rate)
 
   def residual(x, sublayer, stack, block, layer_p, i):
-    norm = lambda y: _layer_norm(y, layer_p[block]['norm'], eps)
-    dropped = lambda y: drop(y, (stack, block), cfg.dropout_rate, i)
+    def norm(y):
+      return _layer_norm(y, layer_p[block]['norm'], eps)
+
+    def dropped(y):
+      return drop(y, (stack, block), cfg.dropout_rate, i)
+
     order = opt['orders'].get((stack, block), opt['order'] or ('pre' if cfg.pre_norm else 'post'))
     if order == 'post':
       return norm(x + dropped(sublayer(x)))
@@ -171,7 +206,7 @@ def _reference(cfg, keep=None, **changes):
   def embed(ids, table, name):
     x = table[ids] * (math.sqrt(d) if opt['emb_scale'] else 1.0)  # [batch, len, d_model]
     if cfg.learned_positions:
-      positions = p[name]['position_embedding'][:ids.shape[1]]  # [len, d_model]
+      positions = p[name]['position_embedding'][: ids.shape[1]]  # [len, d_model]
     else:
       positions = _sinusoids(ids.shape[1], d, opt['pe'])
     if opt['drop_before_pe']:
@@ -197,21 +232,42 @@ def _reference(cfg, keep=None, **changes):
   x = embed(SRC, src_table, 'source_embedder')
   for i in range(cfg.num_encoder_layers):
     lp = layer('encoder_layers', i)
-    x = residual(x, lambda y: attention(y, y, cross_mask, lp['self_attention'],
-                                        ('encoder_layers', 'self_attention'), i),
-                 'encoder_layers', 'attention_block', lp, i)
+    x = residual(
+      x,
+      lambda y: attention(
+        y, y, cross_mask, lp['self_attention'], ('encoder_layers', 'self_attention'), i
+      ),
+      'encoder_layers',
+      'attention_block',
+      lp,
+      i,
+    )
     x = residual(x, lambda y: ffn(y, lp['ffn']), 'encoder_layers', 'ffn_block', lp, i)
   encoded = _layer_norm(x, p.get('encoder_norm', plain_norm), eps) if final_norm else x
 
   x = embed(TGT, tgt_table, 'target_embedder')
   for i in range(cfg.num_decoder_layers):
     lp = layer('decoder_layers', i)
-    x = residual(x, lambda y: attention(y, y, self_mask, lp['self_attention'],
-                                        ('decoder_layers', 'self_attention'), i),
-                 'decoder_layers', 'self_attention_block', lp, i)
-    x = residual(x, lambda y: attention(y, encoded, cross_mask, lp['cross_attention'],
-                                        ('decoder_layers', 'cross_attention'), i),
-                 'decoder_layers', 'cross_attention_block', lp, i)
+    x = residual(
+      x,
+      lambda y: attention(
+        y, y, self_mask, lp['self_attention'], ('decoder_layers', 'self_attention'), i
+      ),
+      'decoder_layers',
+      'self_attention_block',
+      lp,
+      i,
+    )
+    x = residual(
+      x,
+      lambda y: attention(
+        y, encoded, cross_mask, lp['cross_attention'], ('decoder_layers', 'cross_attention'), i
+      ),
+      'decoder_layers',
+      'cross_attention_block',
+      lp,
+      i,
+    )
     x = residual(x, lambda y: ffn(y, lp['ffn']), 'decoder_layers', 'ffn_block', lp, i)
   if final_norm:
     x = _layer_norm(x, p.get('decoder_norm', plain_norm), eps)
@@ -274,15 +330,19 @@ def test_embeddings_are_scaled_plus_sinusoids_and_shared_with_the_output_layer()
   np.testing.assert_allclose(table, _sinusoids(6, CFG.d_model), atol=1e-6, rtol=0)
   _assert_far(table, _sinusoids(6, CFG.d_model, 'concat'), 'sines-then-cosines layout')
   # One vocabulary-sized matrix in the whole tree: input and output embeddings are shared.
-  vocab_sized = [path for path, leaf in traverse_util.flatten_dict(_params(CFG)).items()
-                 if CFG.vocab_size in leaf.shape]
+  vocab_sized = [
+    path
+    for path, leaf in traverse_util.flatten_dict(_params(CFG)).items()
+    if CFG.vocab_size in leaf.shape
+  ]
   assert vocab_sized == [('shared_embedding', 'embedding')]
   logits, _, _ = _model(CFG)
   _assert_close(logits, _reference(CFG)[0])
   _assert_far(logits, _reference(CFG, emb_scale=False)[0], 'no sqrt(d_model) scale')
   _assert_far(logits, _reference(CFG, pe='concat')[0], 'sines-then-cosines positions')
-  _assert_far(logits, _reference(CFG, logit_scale=math.sqrt(CFG.d_model))[0],
-              'logits scaled by sqrt(d_model)')
+  _assert_far(
+    logits, _reference(CFG, logit_scale=math.sqrt(CFG.d_model))[0], 'logits scaled by sqrt(d_model)'
+  )
 
 
 def test_unshared_embeddings_and_learned_positions():
@@ -321,8 +381,11 @@ def test_dropout_placement_reproduced_with_the_models_own_masks(pre_norm):
   """
   cfg = CFG.replace(dropout_rate=0.3, attention_dropout_rate=0.2, pre_norm=pre_norm)
   logits, encoded, keep = _model(cfg, dropout_seed=1)
-  attention_sites = [('encoder_layers', 'self_attention'), ('decoder_layers', 'self_attention'),
-                     ('decoder_layers', 'cross_attention')]
+  attention_sites = [
+    ('encoder_layers', 'self_attention'),
+    ('decoder_layers', 'self_attention'),
+    ('decoder_layers', 'cross_attention'),
+  ]
   residual_sites = [('source_embedder',), ('target_embedder',)] + BLOCKS
   assert sorted(keep) == sorted(residual_sites + attention_sites)
   kept = np.concatenate([keep[site].ravel() for site in residual_sites]).mean()
@@ -331,9 +394,15 @@ def test_dropout_placement_reproduced_with_the_models_own_masks(pre_norm):
   _assert_close(encoded, ref_encoded)
   _assert_close(logits, ref_logits)
   _assert_far(logits, _reference(cfg)[0], 'no dropout')
-  _assert_far(logits, _reference(cfg, keep=keep, drop_before_pe=True)[0],
-              'dropout on token embeddings before adding positions')
+  _assert_far(
+    logits,
+    _reference(cfg, keep=keep, drop_before_pe=True)[0],
+    'dropout on token embeddings before adding positions',
+  )
   if not pre_norm:
     for block in BLOCKS:
-      _assert_far(logits, _reference(cfg, keep=keep, orders={block: 'drop_after_norm'})[0],
-                  f'dropout after the norm in {block}')
+      _assert_far(
+        logits,
+        _reference(cfg, keep=keep, orders={block: 'drop_after_norm'})[0],
+        f'dropout after the norm in {block}',
+      )

@@ -22,8 +22,9 @@ def test_attention_maps_shapes_normalisation_and_masks():
   maps = translator.attention('three hundred forty-two', 'dreihundertzweiundvierzig')
   s, t = len(maps.source_tokens), len(maps.target_tokens)
   assert maps.source_tokens[-1] == maps.target_tokens[-1] == '</s>'
-  assert ''.join(maps.source_tokens[:-1]).replace('\u2581', ' ').strip() == \
-      'three hundred forty-two'
+  assert (
+    ''.join(maps.source_tokens[:-1]).replace('\u2581', ' ').strip() == 'three hundred forty-two'
+  )
   assert maps.encoder_self.shape == (2, 2, s, s)
   assert maps.decoder_self.shape == (3, 2, t, t)
   assert maps.cross.shape == (3, 2, t, s)
@@ -42,13 +43,15 @@ def test_attention_without_target_uses_the_models_translation():
   source = 'seven hundred one'
   translation = translator.translate([source], beam_size=2)[0]
   maps = translator.attention(source, beam_size=2)
-  assert maps.target_tokens == (translator.tokenizer.pieces(translator.tokenizer.encode(
-      translation)) + ['</s>'])
+  assert maps.target_tokens == (
+    translator.tokenizer.pieces(translator.tokenizer.encode(translation)) + ['</s>']
+  )
 
 
 def test_plot_writes_one_panel_per_layer_and_head(tmp_path):
   pytest.importorskip('matplotlib')
   from PIL import Image  # Installed with matplotlib.
+
   maps = _translator().attention('one hundred', 'hundert')
   sizes = {}
   for kind, layers in (('cross', None), ('encoder', None), ('decoder', [2])):

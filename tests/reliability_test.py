@@ -39,18 +39,28 @@ class _ScaledModel:
 def _state():
   params = {'w': jnp.linspace(-1.0, 1.0, 8)}
   return train_lib.TrainState.create(
-      apply_fn=None, params=params, tx=optax.adam(1e-2), dropout_rng=jax.random.PRNGKey(0),
-      skipped_steps=jnp.zeros((), jnp.int32), nonfinite_streak=jnp.zeros((), jnp.int32))
+    apply_fn=None,
+    params=params,
+    tx=optax.adam(1e-2),
+    dropout_rng=jax.random.PRNGKey(0),
+    skipped_steps=jnp.zeros((), jnp.int32),
+    nonfinite_streak=jnp.zeros((), jnp.int32),
+  )
 
 
 def _batch(first_token):
-  return {'inputs': jnp.array([[first_token, 7, 1]], jnp.int32),
-          'targets': jnp.array([[4, 6, 1, 0]], jnp.int32)}
+  return {
+    'inputs': jnp.array([[first_token, 7, 1]], jnp.int32),
+    'targets': jnp.array([[4, 6, 1, 0]], jnp.int32),
+  }
 
 
 def test_nonfinite_step_is_skipped_and_counted():
-  step = jax.jit(lambda s, b: train_lib.train_step(
-      s, b, model=_ScaledModel(), learning_rate_fn=lambda count: 1e-2, label_smoothing=0.1))
+  step = jax.jit(
+    lambda s, b: train_lib.train_step(
+      s, b, model=_ScaledModel(), learning_rate_fn=lambda count: 1e-2, label_smoothing=0.1
+    )
+  )
   state = _state()
   state, metrics = step(state, _batch(9))  # Finite.
   assert int(metrics['nonfinite_streak']) == 0
@@ -62,8 +72,9 @@ def test_nonfinite_step_is_skipped_and_counted():
     assert int(metrics['nonfinite_streak']) == expected_streak
   after = jax.device_get(state)
   np.testing.assert_array_equal(after.params['w'], before.params['w'])  # Update skipped.
-  for a, b in zip(jax.tree_util.tree_leaves(after.opt_state),
-                  jax.tree_util.tree_leaves(before.opt_state)):
+  for a, b in zip(
+    jax.tree_util.tree_leaves(after.opt_state), jax.tree_util.tree_leaves(before.opt_state)
+  ):
     np.testing.assert_array_equal(a, b)
   assert int(after.step) == 3 and int(after.skipped_steps) == 2
 
@@ -97,11 +108,18 @@ def test_second_run_on_a_locked_workdir_is_refused(tmp_path, data_dir):
 
 def test_lock_is_released_when_its_process_is_killed(tmp_path):
   holder = subprocess.Popen(
-      [sys.executable, '-c',
-       'import sys, time; sys.path.insert(0, sys.argv[1]);'
-       'from transformer_jax.workdir import Workdir;'
-       'lock = Workdir(sys.argv[2]).lock().acquire(); print("held", flush=True); time.sleep(60)',
-       REPO_ROOT, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    [
+      sys.executable,
+      '-c',
+      'import sys, time; sys.path.insert(0, sys.argv[1]);'
+      'from transformer_jax.workdir import Workdir;'
+      'lock = Workdir(sys.argv[2]).lock().acquire(); print("held", flush=True); time.sleep(60)',
+      REPO_ROOT,
+      str(tmp_path),
+    ],
+    stdout=subprocess.PIPE,
+    text=True,
+  )
   try:
     assert holder.stdout.readline().strip() == 'held'
     with pytest.raises(UserInputError, match=f'pid {holder.pid}'):
@@ -114,21 +132,34 @@ def test_lock_is_released_when_its_process_is_killed(tmp_path):
 
 def _tiny_train_command(workdir, data_dir) -> list[str]:
   """train.py on the tiny task and model (seconds on one core); steps and intervals to add."""
-  return [sys.executable, 'train.py', f'--workdir={workdir}', f'--config.data_dir={data_dir}',
-          '--config.dataset=number_words/tiny', '--config.vocab_size=96',
-          '--config.model.d_model=32', '--config.model.d_ff=64',
-          '--config.model.num_heads=2', '--config.model.num_encoder_layers=1',
-          '--config.model.num_decoder_layers=1', '--config.model.max_len=32',
-          '--config.per_device_batch_size=16', '--config.eval_every_steps=100000',
-          '--config.eval_decode_examples=0', '--config.eval_batch_size=32',
-          '--config.final_test_decode=False']
+  return [
+    sys.executable,
+    'train.py',
+    f'--workdir={workdir}',
+    f'--config.data_dir={data_dir}',
+    '--config.dataset=number_words/tiny',
+    '--config.vocab_size=96',
+    '--config.model.d_model=32',
+    '--config.model.d_ff=64',
+    '--config.model.num_heads=2',
+    '--config.model.num_encoder_layers=1',
+    '--config.model.num_decoder_layers=1',
+    '--config.model.max_len=32',
+    '--config.per_device_batch_size=16',
+    '--config.eval_every_steps=100000',
+    '--config.eval_decode_examples=0',
+    '--config.eval_batch_size=32',
+    '--config.final_test_decode=False',
+  ]
 
 
 def test_sigterm_saves_a_checkpoint_and_exits_zero(tmp_path, data_dir):
   workdir = str(tmp_path / 'run')
   command = _tiny_train_command(workdir, data_dir) + [
-      '--config.num_train_steps=100000', '--config.log_every_steps=5',
-      '--config.checkpoint_every_steps=100000']
+    '--config.num_train_steps=100000',
+    '--config.log_every_steps=5',
+    '--config.checkpoint_every_steps=100000',
+  ]
   process = subprocess.Popen(command, cwd=REPO_ROOT, stderr=subprocess.PIPE, text=True)
   log = []
   for line in process.stderr:
@@ -140,7 +171,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_zero(tmp_path, data_dir):
   log.extend(process.stderr)
   assert process.wait(timeout=60) == 0, ''.join(log)[-3000:]
   assert time.time() - sent < 30
-  message = [l for l in log if 'SIGTERM received' in l]
+  message = [line for line in log if 'SIGTERM received' in line]
   assert message, ''.join(log)[-3000:]
   saved_step = int(message[0].split('checkpoint saved at step ')[1].split(';')[0])
   assert saved_step >= 10
@@ -155,14 +186,17 @@ def _damage(checkpoint_dir, step, how):
   are hit, not only the optimiser state.)
   """
   import glob
-  chunks = [f for f in glob.glob(os.path.join(checkpoint_dir, str(step), 'state', '**', '*'),
-                                 recursive=True)
-            if os.path.isfile(f) and os.sep + 'd' + os.sep in f]
+
+  chunks = [
+    f
+    for f in glob.glob(os.path.join(checkpoint_dir, str(step), 'state', '**', '*'), recursive=True)
+    if os.path.isfile(f) and os.sep + 'd' + os.sep in f
+  ]
   assert chunks
   for target in chunks:
     data = bytearray(pathlib.Path(target).read_bytes())
     if how == 'truncate':
-      data = data[:len(data) // 3]
+      data = data[: len(data) // 3]
     else:
       data[len(data) // 2] ^= 0xFF
     with open(target, 'wb') as f:
@@ -195,17 +229,20 @@ def stopped_and_resumed_run(tmp_path_factory, data_dir):
 
 
 @pytest.mark.parametrize('how', ['truncate', 'flip'])
-def test_damaged_checkpoint_is_named_and_training_falls_back(tmp_path, data_dir, straight_run,
-                                                             stopped_and_resumed_run, how):
+def test_damaged_checkpoint_is_named_and_training_falls_back(
+  tmp_path, data_dir, straight_run, stopped_and_resumed_run, how
+):
   from transformer_jax.errors import CorruptCheckpointError
   from transformer_jax.inference import Translator
+
   config = _resumed_config(data_dir)
   damaged = str(tmp_path / 'damaged')
   shutil.copytree(stopped_and_resumed_run, damaged)  # Each case damages its own copy.
   _damage(os.path.join(damaged, 'checkpoints'), 8, how)
 
-  with pytest.raises(CorruptCheckpointError,
-                     match=f'checkpoint step 8 at {damaged}/checkpoints/8 is damaged'):
+  with pytest.raises(
+    CorruptCheckpointError, match=f'checkpoint step 8 at {damaged}/checkpoints/8 is damaged'
+  ):
     Translator.from_checkpoint(damaged, 'latest')
 
   # Training again falls back to step 4 and retrains steps 5..8: the resumed run, twice over,
@@ -221,11 +258,15 @@ def test_translate_reports_a_damaged_checkpoint_in_one_line(tmp_path, straight_r
   workdir = str(tmp_path / 'damaged')
   shutil.copytree(straight_run, workdir)
   _damage(os.path.join(workdir, 'checkpoints'), 8, 'flip')
-  result = subprocess.run([sys.executable, '-m', 'transformer_jax.translate',
-                           f'--workdir={workdir}'], input=b'seven\n', capture_output=True,
-                          cwd=REPO_ROOT, timeout=120)
+  result = subprocess.run(
+    [sys.executable, '-m', 'transformer_jax.translate', f'--workdir={workdir}'],
+    input=b'seven\n',
+    capture_output=True,
+    cwd=REPO_ROOT,
+    timeout=120,
+  )
   assert result.returncode == 2
-  errors = [l for l in result.stderr.decode().splitlines() if l.startswith('error: ')]
+  errors = [line for line in result.stderr.decode().splitlines() if line.startswith('error: ')]
   assert len(errors) == 1 and 'checkpoint step 8' in errors[0] and 'damaged' in errors[0]
 
 
@@ -245,17 +286,28 @@ def test_kill_9_at_random_moments_then_resume_equals_uninterrupted(tmp_path, dat
   # A checkpoint every 10 steps (written asynchronously while training goes on, each taking
   # longer than the 10 steps), so most kills land during a save; 3 kept, so old ones are
   # being deleted too.
-  flags = [f'--config.num_train_steps={steps}', '--config.checkpoint_every_steps=10',
-           '--config.keep_checkpoints=3', '--config.log_every_steps=5',
-           # Mostly compilation, which one malloc arena slows (host_memory.py).
-           '--config.reuse_host_memory=false']
+  flags = [
+    f'--config.num_train_steps={steps}',
+    '--config.checkpoint_every_steps=10',
+    '--config.keep_checkpoints=3',
+    '--config.log_every_steps=5',
+    # Mostly compilation, which one malloc arena slows (host_memory.py).
+    '--config.reuse_host_memory=false',
+  ]
   # Compiling dominates each start; XLA's CPU backend compiles ~2x faster at optimisation
   # level 0, and every run here uses the same flags, so bitwise equality is unaffected.
-  env = dict(os.environ, XLA_FLAGS='--xla_backend_optimization_level=0 '
-                                   '--xla_llvm_disable_expensive_passes=true')
-  reference = subprocess.run(_tiny_train_command(tmp_path / 'reference', data_dir) + flags,
-                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
-                             env=env)
+  env = dict(
+    os.environ,
+    XLA_FLAGS='--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true',
+  )
+  reference = subprocess.run(
+    _tiny_train_command(tmp_path / 'reference', data_dir) + flags,
+    cwd=REPO_ROOT,
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env=env,
+  )
   assert reference.returncode == 0, reference.stderr[-3000:]
 
   workdir = tmp_path / 'killed'
@@ -265,8 +317,13 @@ def test_kill_9_at_random_moments_then_resume_equals_uninterrupted(tmp_path, dat
   for attempt in range(5):
     log_path = tmp_path / f'attempt{attempt}.log'
     with open(log_path, 'w') as log:  # A file, not a pipe: nothing can block on it.
-      process = subprocess.Popen(_tiny_train_command(workdir, data_dir) + flags, cwd=REPO_ROOT,
-                                 stdout=subprocess.DEVNULL, stderr=log, env=env)
+      process = subprocess.Popen(
+        _tiny_train_command(workdir, data_dir) + flags,
+        cwd=REPO_ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=log,
+        env=env,
+      )
     if attempt == 0:  # The first kill lands in start-up (data, vocabulary, compilation).
       time.sleep(float(rng.uniform(1.0, 3.0)))
     elif attempt < 4:
@@ -285,15 +342,18 @@ def test_kill_9_at_random_moments_then_resume_equals_uninterrupted(tmp_path, dat
       process.kill()  # SIGKILL: no handler runs, a save in flight is cut off.
       kills += 1
     process.wait()
-    cut_saves += any('tmp' in name for name in os.listdir(checkpoints)) \
-        if checkpoints.is_dir() else 0
+    cut_saves += (
+      any('tmp' in name for name in os.listdir(checkpoints)) if checkpoints.is_dir() else 0
+    )
     with Checkpointer(str(checkpoints), keep=None) as checkpointer:
       steps_at_kill.append(checkpointer.latest_step())
   assert kills == 4, steps_at_kill
   # Kills came after checkpoints existed, at different steps: resuming was tested each time.
   assert len({step for step in steps_at_kill if step}) == 3, steps_at_kill
-  print(f'{kills} kills ({cut_saves} left a save unfinished); latest complete checkpoint at '
-        f'each kill: {steps_at_kill}')
+  print(
+    f'{kills} kills ({cut_saves} left a save unfinished); latest complete checkpoint at '
+    f'each kill: {steps_at_kill}'
+  )
 
   final = {}
   for name in ('reference', 'killed'):
@@ -365,8 +425,9 @@ def dropout_stopped_run(tmp_path_factory, data_dir):
     steps.append(int(state.step))
     if steps[-1] == 6:
       # With no handler installed, SIGTERM would end pytest itself: fail instead.
-      assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, signal.SIG_IGN, None), \
-          'train_and_evaluate installed no SIGTERM handler'
+      assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, signal.SIG_IGN, None), (
+        'train_and_evaluate installed no SIGTERM handler'
+      )
       signal.raise_signal(signal.SIGTERM)
 
   with pytest.MonkeyPatch.context() as monkeypatch:
@@ -378,9 +439,9 @@ def dropout_stopped_run(tmp_path_factory, data_dir):
   return workdir
 
 
-def test_resume_with_dropout_is_bitwise_the_uninterrupted_run(tmp_path, data_dir,
-                                                             dropout_straight_run,
-                                                             dropout_stopped_run):
+def test_resume_with_dropout_is_bitwise_the_uninterrupted_run(
+  tmp_path, data_dir, dropout_straight_run, dropout_stopped_run
+):
   """Resumed from step 4 and then from the SIGTERM checkpoint at step 6, every step draws the
   uninterrupted run's dropout masks: the parameters end bitwise equal."""
   workdir = str(tmp_path / 'resumed')
@@ -392,7 +453,8 @@ def test_resume_with_dropout_is_bitwise_the_uninterrupted_run(tmp_path, data_dir
 
 
 def test_resume_with_another_dropout_key_is_not_the_uninterrupted_run(
-    tmp_path, monkeypatch, data_dir, dropout_straight_run, dropout_stopped_run):
+  tmp_path, monkeypatch, data_dir, dropout_straight_run, dropout_stopped_run
+):
   """The check above can fail: resumed from step 6 with any other dropout key (as a resume
   that re-seeded it would), steps 7 and 8 draw other masks and the parameters end elsewhere;
   with dropout ignored they would not."""
@@ -410,10 +472,11 @@ def test_resume_with_another_dropout_key_is_not_the_uninterrupted_run(
   train_lib.train_and_evaluate(_dropout_config(data_dir), workdir)
   assert rekeyed == [6]
   want, got = _final_params(dropout_straight_run), _final_params(workdir)
-  differing = [jax.tree_util.keystr(path)
-               for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(want),
-                                       jax.tree.leaves(got))
-               if not np.array_equal(x, y)]
+  differing = [
+    jax.tree_util.keystr(path)
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree.leaves(got))
+    if not np.array_equal(x, y)
+  ]
   # Dropout reaches every gradient, so nearly every tensor moves, not one or two.
   total = len(jax.tree.leaves(want))
   assert len(differing) > total // 2, f'{len(differing)} of {total} tensors differ: {differing}'

@@ -19,10 +19,14 @@ MESH = {'data': 2, 'fsdp': 1, 'tensor': 4}
 def test_fit_spec_drops_size_one_axes_and_replicates_what_does_not_divide():
   # FSDP rules on a (2, 1, 4) mesh: 'fsdp' (size 1) splits nothing and disappears.
   assert sharding.fit_spec(P(None, 'fsdp', 'tensor', None), (3, 32, 4, 8), MESH) == (
-      P(None, None, 'tensor', None), [])
+    P(None, None, 'tensor', None),
+    [],
+  )
   # 3 heads do not divide tensor=4: replicated, and reported.
   assert sharding.fit_spec(P(None, 'fsdp', 'tensor', None), (3, 32, 3, 8), MESH) == (
-      P(None, None, None, None), [(2, ('tensor',))])
+    P(None, None, None, None),
+    [(2, ('tensor',))],
+  )
   # The batch over ('data', 'fsdp') jointly collapses to 'data' when fsdp is 1.
   assert sharding.fit_spec(P(('data', 'fsdp'), None), (16, 24), MESH) == (P('data', None), [])
   assert sharding.fit_spec(P(('data', 'tensor')), (16,), MESH) == (P(('data', 'tensor')), [])
@@ -32,6 +36,7 @@ def test_fit_spec_drops_size_one_axes_and_replicates_what_does_not_divide():
 
 def test_create_mesh_shapes():
   import jax
+
   mesh = sharding.create_mesh((-1, 1, 1))
   assert mesh.axis_names == ('data', 'fsdp', 'tensor')
   assert dict(mesh.shape) == {'data': jax.device_count(), 'fsdp': 1, 'tensor': 1}
@@ -43,7 +48,7 @@ def test_create_mesh_shapes():
 
 # Shared by the 8-device scripts below (run by _run_on_8_devices, which formats in the paths;
 # hence the doubled braces).
-_PREAMBLE = textwrap.dedent('''
+_PREAMBLE = textwrap.dedent("""
     import os, sys, tempfile
     # Compiling dominates this script's time; XLA's CPU backend at optimisation level 0 compiles
     # ~2x faster. Every layout below runs under the same flags, so comparisons are unaffected.
@@ -78,10 +83,10 @@ _PREAMBLE = textwrap.dedent('''
 
     def specs(tree):
       return jax.tree_util.tree_map(lambda x: x.sharding.spec, tree)
-''')
+""")
 
 
-_LAYOUTS = textwrap.dedent('''
+_LAYOUTS = textwrap.dedent("""
     layouts = {{'one': ((-1, 1, 1), jax.devices()[:1]), 'data': ((8, 1, 1), None),
                'fsdp': ((1, 8, 1), None), 'tensor': ((2, 1, 4), None),
                # FSDP=8 with the 16 rows as 2 accumulated micro-batches of 8 (one per device).
@@ -171,14 +176,15 @@ _LAYOUTS = textwrap.dedent('''
     assert t8['encoder_layers']['ffn']['wi']['kernel'] == P(None, None, 'tensor'), t8
     assert t8['shared_embedding']['embedding'] == P('tensor', None), t8
     print('OK')
-''')
+""")
 
 
 def _run_on_8_devices(body: str, timeout: int = 300) -> subprocess.CompletedProcess:
   """_PREAMBLE + `body` in a fresh Python with 8 fake CPU devices; it must print 'OK'."""
   code = (_PREAMBLE + body).format(repo=REPO_ROOT, tests=os.path.join(REPO_ROOT, 'tests'))
-  result = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
-                          timeout=timeout)
+  result = subprocess.run(
+    [sys.executable, '-c', code], capture_output=True, text=True, timeout=timeout
+  )
   assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-5000:]
   assert 'OK' in result.stdout
   print(result.stdout)
@@ -189,10 +195,11 @@ def test_layouts_equal_one_device_and_checkpoints_move_between_them():
   result = _run_on_8_devices(_LAYOUTS)
   divisibility_log = result.stderr.split('divisibility check')[-1]
   assert "'heads' of size 4 is not divisible by mesh axes tensor=8" in divisibility_log, (
-      result.stderr[-3000:])
+    result.stderr[-3000:]
+  )
 
 
-_TENSOR_CHECKPOINT = textwrap.dedent('''
+_TENSOR_CHECKPOINT = textwrap.dedent("""
     import re
 
     def named_leaves(tree):
@@ -281,18 +288,24 @@ _TENSOR_CHECKPOINT = textwrap.dedent('''
     assert moved > 1e-4, moved  # The step did change the parameters.
     print(f'tensor -> data: next step max param diff {{worst:.2g}} (step moved them {{moved:.2g}})')
     print('OK')
-''')
+""")
 
 
 def test_tensor_parallel_checkpoint_restores_under_data_parallel_and_on_one_device():
   _run_on_8_devices(_TENSOR_CHECKPOINT)
 
 
-@pytest.mark.parametrize('name, value, several', [
-    ('SLURM_NTASKS', '4', True), ('SLURM_NTASKS', '1', False),
-    ('OMPI_COMM_WORLD_SIZE', '2', True), ('TPU_WORKER_HOSTNAMES', 'w-0,w-1', True),
-    ('TPU_WORKER_HOSTNAMES', 'localhost', False), ('JAX_COORDINATOR_ADDRESS', '10.0.0.1:1234', True),
-])
+@pytest.mark.parametrize(
+  'name, value, several',
+  [
+    ('SLURM_NTASKS', '4', True),
+    ('SLURM_NTASKS', '1', False),
+    ('OMPI_COMM_WORLD_SIZE', '2', True),
+    ('TPU_WORKER_HOSTNAMES', 'w-0,w-1', True),
+    ('TPU_WORKER_HOSTNAMES', 'localhost', False),
+    ('JAX_COORDINATOR_ADDRESS', '10.0.0.1:1234', True),
+  ],
+)
 def test_multiprocess_environment_is_detected(monkeypatch, name, value, several):
   for variable, _ in sharding._CLUSTER_ENV:
     monkeypatch.delenv(variable, raising=False)
@@ -305,5 +318,6 @@ def test_multiprocess_environment_is_detected(monkeypatch, name, value, several)
 
 def test_coordinator_address_needs_process_count_and_id():
   from transformer_jax.errors import UserInputError
+
   with pytest.raises(UserInputError, match='--coordinator_address needs --num_processes'):
     sharding.initialize_distributed('127.0.0.1:1234', num_processes=2)

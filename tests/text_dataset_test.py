@@ -21,13 +21,13 @@ MAX_CHARS = 20
 # reason it is dropped). Enough plain lines follow that a hash-ordered write
 # would not come back in file order by chance.
 TRAIN_ROWS = [
-    ('Hello world', 'Hallo Welt', ('Hello world', 'Hallo Welt')),
-    ('  Grüße, naïve café  ', 'Grüße aus Köln 🙂', ('Grüße, naïve café', 'Grüße aus Köln 🙂')),
-    ('', 'leer', 'empty'),
-    ('x' * (MAX_CHARS + 1), 'zu lang', 'too_long'),
-    ('   ', 'nur Leerzeichen', 'empty'),
-    ('tab\tinside', 'Tab\tdrin', ('tab\tinside', 'Tab\tdrin')),
-    ('exactly twenty chars', 'y' * MAX_CHARS, ('exactly twenty chars', 'y' * MAX_CHARS)),
+  ('Hello world', 'Hallo Welt', ('Hello world', 'Hallo Welt')),
+  ('  Grüße, naïve café  ', 'Grüße aus Köln 🙂', ('Grüße, naïve café', 'Grüße aus Köln 🙂')),
+  ('', 'leer', 'empty'),
+  ('x' * (MAX_CHARS + 1), 'zu lang', 'too_long'),
+  ('   ', 'nur Leerzeichen', 'empty'),
+  ('tab\tinside', 'Tab\tdrin', ('tab\tinside', 'Tab\tdrin')),
+  ('exactly twenty chars', 'y' * MAX_CHARS, ('exactly twenty chars', 'y' * MAX_CHARS)),
 ] + [(f'sentence {i}', f'Satz {i}', (f'sentence {i}', f'Satz {i}')) for i in range(40)]
 VALID_ROWS = [('one', 'eins'), ('two', 'zwei'), ('three', 'drei')]
 
@@ -42,18 +42,26 @@ def _write(path: pathlib.Path, lines, *, crlf=False, final_newline=True, bom=Fal
 def _corpus(root: pathlib.Path):
   """train (CRLF source without final newline, BOM target) + valid; no test."""
   root.mkdir(parents=True, exist_ok=True)
-  src = {'train': _write(root / 'train.en', [r[0] for r in TRAIN_ROWS], crlf=True,
-                         final_newline=False),
-         'valid': _write(root / 'valid.en', [r[0] for r in VALID_ROWS])}
-  tgt = {'train': _write(root / 'train.de', [r[1] for r in TRAIN_ROWS], bom=True),
-         'valid': _write(root / 'valid.de', [r[1] for r in VALID_ROWS], crlf=True)}
+  src = {
+    'train': _write(root / 'train.en', [r[0] for r in TRAIN_ROWS], crlf=True, final_newline=False),
+    'valid': _write(root / 'valid.en', [r[0] for r in VALID_ROWS]),
+  }
+  tgt = {
+    'train': _write(root / 'train.de', [r[1] for r in TRAIN_ROWS], bom=True),
+    'valid': _write(root / 'valid.de', [r[1] for r in VALID_ROWS], crlf=True),
+  }
   return src, tgt
 
 
 def _prepare(src, tgt, data_dir, **kwargs):
-  return td.prepare_text_dataset(src_path_by_split=src, tgt_path_by_split=tgt,
-                                 data_dir=str(data_dir), src_lang='en', tgt_lang='de',
-                                 **kwargs)
+  return td.prepare_text_dataset(
+    src_path_by_split=src,
+    tgt_path_by_split=tgt,
+    data_dir=str(data_dir),
+    src_lang='en',
+    tgt_lang='de',
+    **kwargs,
+  )
 
 
 def _decoded(source):
@@ -77,11 +85,15 @@ def test_round_trip_exact_contents_in_file_order(prepared):
   expected = [row[2] for row in TRAIN_ROWS if isinstance(row[2], tuple)]
   assert _decoded(sources['train']) == expected
   assert [sources['train'][i]['en'].decode() for i in (0, 1, len(expected) - 1)] == [
-      expected[0][0], expected[1][0], expected[-1][0]]
+    expected[0][0],
+    expected[1][0],
+    expected[-1][0],
+  ]
   assert _decoded(sources['validation']) == VALID_ROWS
   assert report == {
-      'train': {'lines': len(TRAIN_ROWS), 'kept': len(expected), 'empty': 2, 'too_long': 1},
-      'validation': {'lines': 3, 'kept': 3, 'empty': 0, 'too_long': 0}}
+    'train': {'lines': len(TRAIN_ROWS), 'kept': len(expected), 'empty': 2, 'too_long': 1},
+    'validation': {'lines': 3, 'kept': 3, 'empty': 0, 'too_long': 0},
+  }
   info = tfds.builder(name, data_dir=str(data_dir)).info
   assert info.disable_shuffling
   assert info.supervised_keys == ('en', 'de')
@@ -95,8 +107,9 @@ def test_prepare_logs_dropped_pairs_once(tmp_path, caplog):
   messages = [m for m in ours if 'dropped' in m]
   assert len(messages) == 1
   assert messages[0].startswith(
-      f'train: dropped 3 of {len(TRAIN_ROWS)} pairs: 2 with an empty side, '
-      f'1 longer than {MAX_CHARS} characters (parallel_text/en_de_')
+    f'train: dropped 3 of {len(TRAIN_ROWS)} pairs: 2 with an empty side, '
+    f'1 longer than {MAX_CHARS} characters (parallel_text/en_de_'
+  )
   assert any(m.startswith('validation: kept all 3 pairs') for m in ours)
   assert 'Using custom data configuration' not in caplog.text  # Silenced: expected here.
 
@@ -160,19 +173,29 @@ def test_text_paths(tmp_path):
 # and the fragments the one-line message must contain ({d} = the files' dir).
 GOOD = b'one\ntwo\n'
 BAD_CASES = {
-    'unequal_counts': ({'train.de': b'eins\nzwei\ndrei\n'},
-                       ['{d}/train.en has 2 lines', '{d}/train.de has 3']),
-    'invalid_utf8': ({'train.de': b'eins\nzwei\n\xff drei\n', 'train.en': b'a\nb\nc\n'},
-                     ['{d}/train.de line 3', 'invalid UTF-8']),
-    'latin1_in_test_split': ({'test.en': b'ok\ncaf\xe9\n', 'test.de': b'ok\nok\n'},
-                             ['{d}/test.en line 2', 'invalid UTF-8']),
-    'binary_nul': ({'train.en': b'one\n\x00\x01\x02\n'}, ['{d}/train.en line 2', 'NUL']),
-    'missing_file': ({'train.de': None}, ['missing train file {d}/train.de']),
-    'all_pairs_empty': ({'train.en': b' \n\n'}, ['no usable train pairs', '{d}/train.en',
-                                                 '2 with an empty side']),
-    'empty_files': ({'train.en': b'', 'train.de': b''}, ['no usable train pairs',
-                                                         'the files are empty']),
-    'cr_only': ({'train.en': b'one\rtwo\r'}, ['{d}/train.en line 1', 'CR-only']),
+  'unequal_counts': (
+    {'train.de': b'eins\nzwei\ndrei\n'},
+    ['{d}/train.en has 2 lines', '{d}/train.de has 3'],
+  ),
+  'invalid_utf8': (
+    {'train.de': b'eins\nzwei\n\xff drei\n', 'train.en': b'a\nb\nc\n'},
+    ['{d}/train.de line 3', 'invalid UTF-8'],
+  ),
+  'latin1_in_test_split': (
+    {'test.en': b'ok\ncaf\xe9\n', 'test.de': b'ok\nok\n'},
+    ['{d}/test.en line 2', 'invalid UTF-8'],
+  ),
+  'binary_nul': ({'train.en': b'one\n\x00\x01\x02\n'}, ['{d}/train.en line 2', 'NUL']),
+  'missing_file': ({'train.de': None}, ['missing train file {d}/train.de']),
+  'all_pairs_empty': (
+    {'train.en': b' \n\n'},
+    ['no usable train pairs', '{d}/train.en', '2 with an empty side'],
+  ),
+  'empty_files': (
+    {'train.en': b'', 'train.de': b''},
+    ['no usable train pairs', 'the files are empty'],
+  ),
+  'cr_only': ({'train.en': b'one\rtwo\r'}, ['{d}/train.en line 1', 'CR-only']),
 }
 
 
@@ -198,18 +221,26 @@ def test_bad_input_raises_and_writes_nothing(tmp_path, case):
   assert not data_dir.exists()
 
 
-@pytest.mark.parametrize('kwargs, fragment', [
+@pytest.mark.parametrize(
+  'kwargs, fragment',
+  [
     ({'src_lang': 'en', 'tgt_lang': 'en'}, 'must differ'),
     ({'src_lang': 'e n'}, "src_lang='e n'"),
     ({'max_chars': 0}, 'max_chars'),
     ({'src': {'dev': 'x'}}, 'unknown split(s) dev'),
     ({'src': {'valid': 'x'}, 'tgt': {'valid': 'y'}}, 'no train split'),
-])
+  ],
+)
 def test_bad_arguments(tmp_path, kwargs, fragment):
   src, tgt = _corpus(tmp_path / 'files')
   src, tgt = kwargs.pop('src', src), kwargs.pop('tgt', tgt)
-  args = dict(src_path_by_split=src, tgt_path_by_split=tgt, data_dir=str(tmp_path / 'tfds'),
-              src_lang='en', tgt_lang='de')
+  args = dict(
+    src_path_by_split=src,
+    tgt_path_by_split=tgt,
+    data_dir=str(tmp_path / 'tfds'),
+    src_lang='en',
+    tgt_lang='de',
+  )
   args.update(kwargs)
   with pytest.raises(UserInputError, match=fragment.replace('(', r'\(').replace(')', r'\)')):
     td.prepare_text_dataset(**args)
@@ -218,18 +249,20 @@ def test_bad_arguments(tmp_path, kwargs, fragment):
 
 def test_unprepared_name_is_not_found(prepared):
   with pytest.raises(tfds.core.registered.DatasetNotFoundError):
-    tfds.data_source('parallel_text/en_de_000000000000', data_dir=str(prepared[2]),
-                     try_gcs=False)
+    tfds.data_source('parallel_text/en_de_000000000000', data_dir=str(prepared[2]), try_gcs=False)
 
 
 def test_loads_in_fresh_process_without_this_module(prepared):
   _, _, data_dir, name, _ = prepared
-  code = ('import sys, tensorflow_datasets as tfds\n'
-          f'ds = tfds.data_source({name!r}, data_dir={str(data_dir)!r}, try_gcs=False)\n'
-          "print(len(ds['train']), ds['train'][0]['en'].decode(),\n"
-          "      'transformer_jax.data.text_dataset' in sys.modules, 'tensorflow' in sys.modules)\n")
-  out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
-                       check=True, cwd=str(data_dir)).stdout.split()
+  code = (
+    'import sys, tensorflow_datasets as tfds\n'
+    f'ds = tfds.data_source({name!r}, data_dir={str(data_dir)!r}, try_gcs=False)\n'
+    "print(len(ds['train']), ds['train'][0]['en'].decode(),\n"
+    "      'transformer_jax.data.text_dataset' in sys.modules, 'tensorflow' in sys.modules)\n"
+  )
+  out = subprocess.run(
+    [sys.executable, '-c', code], capture_output=True, text=True, check=True, cwd=str(data_dir)
+  ).stdout.split()
   kept = sum(isinstance(row[2], tuple) for row in TRAIN_ROWS)
   assert out == [str(kept), 'Hello', 'world', 'False', 'False']
 
@@ -239,12 +272,20 @@ def test_multi30k(tmp_path):
     pytest.skip(f'Multi30k not found at {MULTI30K}')
   src, tgt = td.text_paths(MULTI30K, 'en', 'de')
   start = time.perf_counter()
-  name = td.prepare_text_dataset(src_path_by_split=src, tgt_path_by_split=tgt,
-                                 data_dir=str(tmp_path), src_lang='en', tgt_lang='de')
+  name = td.prepare_text_dataset(
+    src_path_by_split=src,
+    tgt_path_by_split=tgt,
+    data_dir=str(tmp_path),
+    src_lang='en',
+    tgt_lang='de',
+  )
   print(f'preparing Multi30k took {time.perf_counter() - start:.1f} s')
   sources = tfds.data_source(name, data_dir=str(tmp_path), try_gcs=False)
   assert {split: len(source) for split, source in sources.items()} == {
-      'train': 29_000, 'validation': 1_014, 'test': 1_000}
+    'train': 29_000,
+    'validation': 1_014,
+    'test': 1_000,
+  }
   with open(src['test'], encoding='utf-8') as f_en, open(tgt['test'], encoding='utf-8') as f_de:
     first = (f_en.readline().strip(), f_de.readline().strip())
   assert (sources['test'][0]['en'].decode(), sources['test'][0]['de'].decode()) == first
@@ -261,6 +302,7 @@ def test_split_over_tfds_memory_buffer_prepares_without_tensorflow(tmp_path, mon
   # through tf.io.gfile, which needs TensorFlow. Shrink that bound to 100 bytes so this small
   # corpus crosses it: the dataset must still prepare, in file order, without TensorFlow.
   from tensorflow_datasets.core import shuffle
+
   monkeypatch.setattr(shuffle, 'MAX_MEM_BUFFER_SIZE', 100)
   src, tgt = _corpus(tmp_path / 'files')
   name = _prepare(src, tgt, tmp_path / 'tfds', max_chars=MAX_CHARS)

@@ -26,8 +26,7 @@ def _final_params(workdir):
 
 def test_shift_right_starts_with_bos():
   targets = np.array([[5, 6, 1, 0], [7, 1, 0, 0]])
-  np.testing.assert_array_equal(train_lib.shift_right(targets),
-                                [[2, 5, 6, 1], [2, 7, 1, 0]])
+  np.testing.assert_array_equal(train_lib.shift_right(targets), [[2, 5, 6, 1], [2, 7, 1, 0]])
 
 
 def test_training_lowers_the_loss(tmp_path, data_dir):
@@ -71,8 +70,7 @@ def test_resume_with_a_different_model_is_refused(tmp_path, data_dir):
   train_lib.train_and_evaluate(config, str(tmp_path))
 
 
-@pytest.mark.parametrize('field, value', [('per_device_batch_size', 0),
-                                          ('num_train_steps', -5)])
+@pytest.mark.parametrize('field, value', [('per_device_batch_size', 0), ('num_train_steps', -5)])
 def test_invalid_config_names_the_field(tmp_path, data_dir, field, value):
   config = tiny_config(data_dir)
   config[field] = value
@@ -101,14 +99,17 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path):
   # only dividing the summed gradient by the whole batch's token count matches one batch.
   lengths = np.array([1, 14, 3, 16, 2, 9, 16, 5])
   targets = np.where(np.arange(16) < lengths[:, None], rng.integers(3, 40, (rows, 16)), 0)
-  batch = {'inputs': rng.integers(3, 40, (rows, 24)).astype(np.int32),
-           'targets': targets.astype(np.int32)}
+  batch = {
+    'inputs': rng.integers(3, 40, (rows, 24)).astype(np.int32),
+    'targets': targets.astype(np.int32),
+  }
   # Packed rows (two examples per row where there is room), so every array of a packed batch
   # is cut into micro-batches; sharding_test covers plain batches under FSDP.
   segments = np.where(np.arange(16) < lengths[:, None], 1 + (np.arange(16) >= 6), 0)
   batch['targets_segment_ids'] = segments.astype(np.int32)
-  batch['targets_positions'] = np.where(segments == 2, np.arange(16) - 6,
-                                        np.arange(16) * (segments > 0)).astype(np.int32)
+  batch['targets_positions'] = np.where(
+    segments == 2, np.arange(16) - 6, np.arange(16) * (segments > 0)
+  ).astype(np.int32)
   batch['inputs_segment_ids'] = np.ones((rows, 24), np.int32)
   batch['inputs_positions'] = np.tile(np.arange(24, dtype=np.int32), (rows, 1))
   results = {}
@@ -129,8 +130,10 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path):
       np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
   # And the update is not trivially zero: the parameters moved.
   initial = jax.device_get(train_lib.Trainer(config, model_config).init_state(seed=3).params)
-  moved = max(float(np.max(np.abs(a - b))) for a, b in
-              zip(jax.tree.leaves(params_1), jax.tree.leaves(initial)))
+  moved = max(
+    float(np.max(np.abs(a - b)))
+    for a, b in zip(jax.tree.leaves(params_1), jax.tree.leaves(initial))
+  )
   assert moved > 1e-4, moved
 
 
@@ -140,16 +143,16 @@ def test_bfloat16_loss_curve_tracks_float32(tmp_path, data_dir):
   config.learning_rate_scale = 0.15
   config.warmup_steps = 20
   sources = input_pipeline.load_data_sources(config, data_dir)
-  tokenizer = input_pipeline.load_or_train_tokenizer(config, Workdir(str(tmp_path)),
-                                                     sources['train'])
+  tokenizer = input_pipeline.load_or_train_tokenizer(
+    config, Workdir(str(tmp_path)), sources['train']
+  )
   split = input_pipeline.TokenizedSplit.build(sources['train'], tokenizer, config)
   iterator = input_pipeline.make_fixed_iterator(split, config, batch_size=16, seed=0)
   batches = [next(iterator) for _ in range(60)]
   curves = {}
   for dtype in ('float32', 'bfloat16'):
     config.model.dtype = dtype
-    trainer = train_lib.Trainer(config, run_config.model_config_from(config,
-                                                                    tokenizer.vocab_size))
+    trainer = train_lib.Trainer(config, run_config.model_config_from(config, tokenizer.vocab_size))
     state = trainer.init_state(seed=0)
     losses = []
     for batch in batches:

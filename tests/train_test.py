@@ -11,19 +11,29 @@ import pytest
 from conftest import REPO_ROOT
 
 _TINY_FLAGS = [
-    '--config.dataset=number_words/tiny', '--config.vocab_size=96',
-    '--config.model.d_model=32', '--config.model.d_ff=64', '--config.model.num_heads=2',
-    '--config.model.num_encoder_layers=1', '--config.model.num_decoder_layers=1',
-    '--config.model.max_len=32', '--config.per_device_batch_size=16',
-    '--config.num_train_steps=6', '--config.log_every_steps=3', '--config.eval_every_steps=6',
-    '--config.checkpoint_every_steps=3', '--config.eval_decode_examples=20',
-    '--config.eval_batch_size=32', '--config.final_test_decode=True',
+  '--config.dataset=number_words/tiny',
+  '--config.vocab_size=96',
+  '--config.model.d_model=32',
+  '--config.model.d_ff=64',
+  '--config.model.num_heads=2',
+  '--config.model.num_encoder_layers=1',
+  '--config.model.num_decoder_layers=1',
+  '--config.model.max_len=32',
+  '--config.per_device_batch_size=16',
+  '--config.num_train_steps=6',
+  '--config.log_every_steps=3',
+  '--config.eval_every_steps=6',
+  '--config.checkpoint_every_steps=3',
+  '--config.eval_decode_examples=20',
+  '--config.eval_batch_size=32',
+  '--config.final_test_decode=True',
 ]
 
 
 def _run(args, stdin=None, timeout=300, cwd=REPO_ROOT):
-  return subprocess.run([sys.executable, *args], input=stdin, capture_output=True,
-                        cwd=cwd, timeout=timeout)
+  return subprocess.run(
+    [sys.executable, *args], input=stdin, capture_output=True, cwd=cwd, timeout=timeout
+  )
 
 
 @pytest.fixture(scope='module')
@@ -31,8 +41,15 @@ def trained_workdir(tmp_path_factory, data_dir):
   workdir = str(tmp_path_factory.mktemp('workdir'))
   # Started from another directory: the default config is found without the checkout as cwd.
   elsewhere = tmp_path_factory.mktemp('elsewhere')
-  result = _run([os.path.join(REPO_ROOT, 'train.py'), f'--workdir={workdir}',
-                 f'--config.data_dir={data_dir}', *_TINY_FLAGS], cwd=elsewhere)
+  result = _run(
+    [
+      os.path.join(REPO_ROOT, 'train.py'),
+      f'--workdir={workdir}',
+      f'--config.data_dir={data_dir}',
+      *_TINY_FLAGS,
+    ],
+    cwd=elsewhere,
+  )
   assert result.returncode == 0, result.stderr.decode()[-3000:]
   return workdir, result.stderr.decode()
 
@@ -45,13 +62,22 @@ def test_train_py_writes_everything_inference_needs(trained_workdir):
   assert 'step 6/6 | loss' in log and 'tok/s' in log and 'ETA' in log
   assert 'test exact match' in log and 'BLEU' in log and 'chrF' in log
   assert 'eval step 6: loss' in log and 'bleu' in log  # Validation BLEU during training.
-  events = [os.path.join(workdir, 'tensorboard', f)
-            for f in os.listdir(os.path.join(workdir, 'tensorboard'))
-            if f.startswith('events.out.tfevents')]
+  events = [
+    os.path.join(workdir, 'tensorboard', f)
+    for f in os.listdir(os.path.join(workdir, 'tensorboard'))
+    if f.startswith('events.out.tfevents')
+  ]
   assert events
   content = b''.join(pathlib.Path(f).read_bytes() for f in events)
-  for tag in (b'train/loss', b'train/learning_rate', b'train/target_tokens_per_second',
-              b'eval/loss', b'eval/bleu', b'eval/samples', b'test/exact_match'):
+  for tag in (
+    b'train/loss',
+    b'train/learning_rate',
+    b'train/target_tokens_per_second',
+    b'eval/loss',
+    b'eval/bleu',
+    b'eval/samples',
+    b'test/exact_match',
+  ):
     assert tag in content, tag
 
 
@@ -76,25 +102,42 @@ def test_translate_without_checkpoint_is_a_one_line_error(tmp_path):
 
 
 def test_train_py_invalid_size_is_a_one_line_error(tmp_path, data_dir):
-  result = _run(['train.py', f'--workdir={tmp_path}', f'--config.data_dir={data_dir}',
-                 *_TINY_FLAGS, '--config.model.d_ff=0'])
+  result = _run(
+    [
+      'train.py',
+      f'--workdir={tmp_path}',
+      f'--config.data_dir={data_dir}',
+      *_TINY_FLAGS,
+      '--config.model.d_ff=0',
+    ]
+  )
   assert result.returncode == 2
-  error_lines = [l for l in result.stderr.decode().splitlines() if l.startswith('error: ')]
+  error_lines = [line for line in result.stderr.decode().splitlines() if line.startswith('error: ')]
   assert error_lines == ['error: config.model.d_ff must be a positive integer, got 0']
   assert 'Traceback' not in result.stderr.decode()
 
 
-@pytest.mark.parametrize('flags, expected', [
-    (['--config.num_train_step=5'], "error: --config.*: the config has no field "
-     "'num_train_step' (Did you mean \"num_train_steps\" instead of \"num_train_step\"?)"),
-    (['--config=configs/multi30k.py', '--config.model.d_modle=8'],
-     "error: --config.*: the config has no field 'd_modle' (Did you mean \"d_model\" instead "
-     "of \"d_modle\"?)"),
-    (['--config=configs/missing.py'],
-     "error: --config: [Errno 2] No such file or directory: 'configs/missing.py'"),
+@pytest.mark.parametrize(
+  'flags, expected',
+  [
+    (
+      ['--config.num_train_step=5'],
+      'error: --config.*: the config has no field '
+      '\'num_train_step\' (Did you mean "num_train_steps" instead of "num_train_step"?)',
+    ),
+    (
+      ['--config=configs/multi30k.py', '--config.model.d_modle=8'],
+      'error: --config.*: the config has no field \'d_modle\' (Did you mean "d_model" instead '
+      'of "d_modle"?)',
+    ),
+    (
+      ['--config=configs/missing.py'],
+      "error: --config: [Errno 2] No such file or directory: 'configs/missing.py'",
+    ),
     (['--config={dir}/notes.py'], 'error: --config: invalid syntax (notes.py, line 2)'),
-], ids=['misspelt field, default file', 'misspelt field, named file', 'missing file',
-        'not python'])
+  ],
+  ids=['misspelt field, default file', 'misspelt field, named file', 'missing file', 'not python'],
+)
 def test_train_py_config_flag_mistakes_are_one_line_errors(tmp_path, flags, expected):
   """ml_collections reports these as tracebacks, the default file's overrides even before
   absl parses the command line."""
@@ -112,6 +155,7 @@ def test_averaged_checkpoint_is_loaded_by_name_and_by_default(trained_workdir):
   import numpy as np
 
   from transformer_jax.inference import Translator
+
   workdir, _ = trained_workdir
   result = _run(['-m', 'transformer_jax.average', f'--workdir={workdir}', '--last=2'])
   assert result.returncode == 0, result.stderr.decode()[-3000:]
@@ -119,16 +163,21 @@ def test_averaged_checkpoint_is_loaded_by_name_and_by_default(trained_workdir):
   step6 = Translator.from_checkpoint(workdir, 'latest').params
   averaged = Translator.from_checkpoint(workdir, 'averaged').params
   default = Translator.from_checkpoint(workdir).params  # Averaged from the latest: used.
-  for a, b, mean, d in zip(*(jax.tree_util.tree_leaves(t)
-                             for t in (step3, step6, averaged, default))):
+  for a, b, mean, d in zip(
+    *(jax.tree_util.tree_leaves(t) for t in (step3, step6, averaged, default))
+  ):
     np.testing.assert_allclose(mean, (np.asarray(a, np.float64) + b) / 2, rtol=0, atol=1e-7)
     np.testing.assert_array_equal(d, mean)
   # translate --checkpoint accepts the same names; a bad one is a one-line error.
-  result = _run(['-m', 'transformer_jax.translate', f'--workdir={workdir}',
-                 '--checkpoint=averaged'], stdin=b'seven\n')
+  result = _run(
+    ['-m', 'transformer_jax.translate', f'--workdir={workdir}', '--checkpoint=averaged'],
+    stdin=b'seven\n',
+  )
   assert result.returncode == 0 and len(result.stdout.decode().splitlines()) == 1
-  result = _run(['-m', 'transformer_jax.translate', f'--workdir={workdir}',
-                 '--checkpoint=best'], stdin=b'seven\n')
+  result = _run(
+    ['-m', 'transformer_jax.translate', f'--workdir={workdir}', '--checkpoint=best'],
+    stdin=b'seven\n',
+  )
   assert result.returncode == 2 and 'error: --checkpoint must be' in result.stderr.decode()
 
 
@@ -136,26 +185,39 @@ def test_evaluate_prints_sacrebleu_with_signature_and_writes_hypotheses(trained_
   import sacrebleu
 
   from transformer_jax.data import number_words
+
   workdir, _ = trained_workdir
   numbers = [7, 21, 342005, 1000001, 90]
   src, ref = tmp_path / 'test.en', tmp_path / 'test.de'
   src.write_text(''.join(number_words.english_words(n) + '\n' for n in numbers))
   ref.write_text(''.join(number_words.german_words(n) + '\r\n' for n in numbers))  # CRLF.
   out = tmp_path / 'hyp.txt'
-  result = _run(['-m', 'transformer_jax.evaluate', f'--workdir={workdir}', f'--src={src}',
-                 f'--ref={ref}', f'--out={out}', '--beam_size=2', '--checkpoint=latest'])
+  result = _run(
+    [
+      '-m',
+      'transformer_jax.evaluate',
+      f'--workdir={workdir}',
+      f'--src={src}',
+      f'--ref={ref}',
+      f'--out={out}',
+      '--beam_size=2',
+      '--checkpoint=latest',
+    ]
+  )
   assert result.returncode == 0, result.stderr.decode()[-3000:]
   stdout = result.stdout.decode()
   assert 'nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:' in stdout
   hypotheses = out.read_text().split('\n')[:-1]
   assert len(hypotheses) == len(numbers)
-  expected = sacrebleu.corpus_bleu(hypotheses, [[number_words.german_words(n)
-                                                 for n in numbers]]).score
+  expected = sacrebleu.corpus_bleu(
+    hypotheses, [[number_words.german_words(n) for n in numbers]]
+  ).score
   assert f'BLEU = {expected:.2f}' in stdout
 
   ref.write_text('only one line\n')
-  result = _run(['-m', 'transformer_jax.evaluate', f'--workdir={workdir}', f'--src={src}',
-                 f'--ref={ref}'])
+  result = _run(
+    ['-m', 'transformer_jax.evaluate', f'--workdir={workdir}', f'--src={src}', f'--ref={ref}']
+  )
   assert result.returncode == 2
   assert f'error: {src} has 5 lines but {ref} has 1' in result.stderr.decode()
 
@@ -164,13 +226,27 @@ def test_translate_file_input_and_output(trained_workdir, tmp_path):
   workdir, _ = trained_workdir
   source, target = tmp_path / 'in.txt', tmp_path / 'out.txt'
   source.write_bytes(b'seven\r\n\nforty-two')  # CRLF, an empty line, no final newline.
-  result = _run(['-m', 'transformer_jax.translate', f'--workdir={workdir}', '--beam_size=1',
-                 f'--input={source}', f'--output={target}'])
+  result = _run(
+    [
+      '-m',
+      'transformer_jax.translate',
+      f'--workdir={workdir}',
+      '--beam_size=1',
+      f'--input={source}',
+      f'--output={target}',
+    ]
+  )
   assert result.returncode == 0, result.stderr.decode()[-3000:]
   lines = target.read_text(encoding='utf-8').split('\n')
   assert len(lines) == 4 and lines[1] == '' and lines[3] == ''  # 3 lines + final newline.
-  result = _run(['-m', 'transformer_jax.translate', f'--workdir={workdir}',
-                 f'--input={tmp_path / "missing.txt"}'])
+  result = _run(
+    [
+      '-m',
+      'transformer_jax.translate',
+      f'--workdir={workdir}',
+      f'--input={tmp_path / "missing.txt"}',
+    ]
+  )
   assert result.returncode == 2 and 'missing.txt: no such file' in result.stderr.decode()
 
 
@@ -179,24 +255,41 @@ def test_bad_decoding_flags_are_one_line_errors_before_any_checkpoint_is_read(tm
   workdir = tmp_path / 'no_such_workdir'
   result = _run(['-m', 'transformer_jax.translate', f'--workdir={workdir}', '--beam_size=0'])
   assert result.returncode == 2
-  assert result.stderr.decode().strip().splitlines()[-1] == \
-      'error: beam_size must be a positive integer, got 0'
-  result = _run(['-m', 'transformer_jax.evaluate', f'--workdir={workdir}', '--alpha=-1',
-                 f'--src={tmp_path}', f'--ref={tmp_path}'])
+  assert (
+    result.stderr.decode().strip().splitlines()[-1]
+    == 'error: beam_size must be a positive integer, got 0'
+  )
+  result = _run(
+    [
+      '-m',
+      'transformer_jax.evaluate',
+      f'--workdir={workdir}',
+      '--alpha=-1',
+      f'--src={tmp_path}',
+      f'--ref={tmp_path}',
+    ]
+  )
   assert result.returncode == 2
-  assert result.stderr.decode().strip().splitlines()[-1] == \
-      'error: alpha must be a number >= 0, got -1.0'
+  assert (
+    result.stderr.decode().strip().splitlines()[-1]
+    == 'error: alpha must be a number >= 0, got -1.0'
+  )
 
 
 def test_translate_is_interactive_on_a_terminal(trained_workdir):
   """A pseudo-terminal on stdin: each typed line is answered before the next is typed."""
   import pty
   import select
+
   workdir, _ = trained_workdir
   leader, follower = pty.openpty()
-  process = subprocess.Popen([sys.executable, '-m', 'transformer_jax.translate',
-                              f'--workdir={workdir}', '--beam_size=1'], cwd=REPO_ROOT,
-                             stdin=follower, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+  process = subprocess.Popen(
+    [sys.executable, '-m', 'transformer_jax.translate', f'--workdir={workdir}', '--beam_size=1'],
+    cwd=REPO_ROOT,
+    stdin=follower,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.DEVNULL,
+  )
   os.close(follower)
   try:
     answers = []
@@ -219,16 +312,33 @@ def test_plot_attention_command_draws_a_png(trained_workdir, tmp_path):
   pytest.importorskip('matplotlib')
   workdir, _ = trained_workdir
   out = tmp_path / 'attention.png'
-  result = _run(['-m', 'transformer_jax.plot_attention', f'--workdir={workdir}',
-                 '--text=seven hundred one', f'--out={out}', '--layers=1'])
+  result = _run(
+    [
+      '-m',
+      'transformer_jax.plot_attention',
+      f'--workdir={workdir}',
+      '--text=seven hundred one',
+      f'--out={out}',
+      '--layers=1',
+    ]
+  )
   assert result.returncode == 0, result.stderr.decode()[-3000:]
   assert out.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
   assert 'cross attention, ' in result.stdout.decode() and str(out) in result.stdout.decode()
-  bad = _run(['-m', 'transformer_jax.plot_attention', f'--workdir={workdir}', '--text=one',
-              f'--out={out}', '--layers=7'])
+  bad = _run(
+    [
+      '-m',
+      'transformer_jax.plot_attention',
+      f'--workdir={workdir}',
+      '--text=one',
+      f'--out={out}',
+      '--layers=7',
+    ]
+  )
   assert bad.returncode == 2
   assert bad.stderr.decode().strip().splitlines()[-1] == (
-      'error: --layers: layer 7 does not exist (the model has 1, numbered from 1)')
+    'error: --layers: layer 7 does not exist (the model has 1, numbered from 1)'
+  )
 
 
 def test_resuming_on_a_different_device_count_is_refused(trained_workdir, tmp_path):
@@ -236,14 +346,27 @@ def test_resuming_on_a_different_device_count_is_refused(trained_workdir, tmp_pa
   # device: on 2 devices the resumed run would see other batches than the interrupted one.
   workdir = str(tmp_path / 'copy')
   shutil.copytree(trained_workdir[0], workdir)
-  env = dict(os.environ, XLA_FLAGS=os.environ.get('XLA_FLAGS', '')
-             + ' --xla_force_host_platform_device_count=2')
+  env = dict(
+    os.environ,
+    XLA_FLAGS=os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_platform_device_count=2',
+  )
   result = subprocess.run(
-      [sys.executable, 'train.py', f'--workdir={workdir}', *_TINY_FLAGS,
-       '--config.num_train_steps=9'], capture_output=True, cwd=REPO_ROOT, env=env, timeout=300)
+    [
+      sys.executable,
+      'train.py',
+      f'--workdir={workdir}',
+      *_TINY_FLAGS,
+      '--config.num_train_steps=9',
+    ],
+    capture_output=True,
+    cwd=REPO_ROOT,
+    env=env,
+    timeout=300,
+  )
   assert result.returncode == 2, result.stderr.decode()[-3000:]
   assert result.stderr.decode().strip().splitlines()[-1] == (
-      'error: the checkpoint was written by a run on 1 process(es) x 1 local devices, this one '
-      'runs on 1 process(es) x 2 local devices: its batches would differ from those the '
-      'interrupted run was training on. Resume on the same devices, or start a new --workdir')
+    'error: the checkpoint was written by a run on 1 process(es) x 1 local devices, this one '
+    'runs on 1 process(es) x 2 local devices: its batches would differ from those the '
+    'interrupted run was training on. Resume on the same devices, or start a new --workdir'
+  )
   assert sorted(os.listdir(os.path.join(workdir, 'checkpoints'))) == ['3', '6']  # Untouched.

@@ -32,8 +32,9 @@ def test_empty_and_blank_lines_give_empty_lines():
 
 
 def test_a_single_string_is_refused_not_translated_letter_by_letter():
-  with pytest.raises(TypeError,
-                     match=r'takes a list of sentences, got a single str; pass \[sentence\]'):
+  with pytest.raises(
+    TypeError, match=r'takes a list of sentences, got a single str; pass \[sentence\]'
+  ):
     _translator().translate('seven hundred one')
 
 
@@ -47,8 +48,9 @@ def test_output_does_not_depend_on_batch_companions():
   translator = _translator()
   for beam_size in (1, 4):
     alone = translator.translate(['seven hundred one'], beam_size=beam_size)
-    together = translator.translate(['three', 'seven hundred one', 'nine thousand ' * 3],
-                                    beam_size=beam_size)
+    together = translator.translate(
+      ['three', 'seven hundred one', 'nine thousand ' * 3], beam_size=beam_size
+    )
     assert together[1] == alone[0]
 
 
@@ -59,31 +61,43 @@ def test_model_beam_search_beam1_is_greedy_and_cache_changes_nothing():
   src[0, :4] = [20, 30, 40, 1]
   src[1, :3] = [50, 60, 1]
   model, params = translator.model, translator.params
-  tokens, scores = jax.jit(functools.partial(inference.beam_decode, model, beam_size=4,
-                                             alpha=0.6, max_decode_len=10))(params, src)
+  tokens, scores = jax.jit(
+    functools.partial(inference.beam_decode, model, beam_size=4, alpha=0.6, max_decode_len=10)
+  )(params, src)
   greedy = jax.jit(functools.partial(inference.greedy_decode, model, max_decode_len=10))(
-      params, src)
-  beam1, _ = jax.jit(functools.partial(inference.beam_decode, model, beam_size=1, alpha=0.0,
-                                       max_decode_len=10))(params, src)
+    params, src
+  )
+  beam1, _ = jax.jit(
+    functools.partial(inference.beam_decode, model, beam_size=1, alpha=0.0, max_decode_len=10)
+  )(params, src)
   np.testing.assert_array_equal(beam1[:, 0], greedy)  # Beam 1 without penalty is greedy.
   assert np.all(np.diff(np.asarray(scores), axis=1) <= 1e-6)  # Sorted best first.
   # Uncached beam search agrees with the cached one.
-  tokens_uncached, scores_uncached = jax.jit(functools.partial(
-      inference.beam_decode, model, beam_size=4, alpha=0.6, max_decode_len=10,
-      use_cache=False))(params, src)
+  tokens_uncached, scores_uncached = jax.jit(
+    functools.partial(
+      inference.beam_decode, model, beam_size=4, alpha=0.6, max_decode_len=10, use_cache=False
+    )
+  )(params, src)
   np.testing.assert_array_equal(tokens, tokens_uncached)
   np.testing.assert_allclose(scores, scores_uncached, atol=1e-5)
 
 
 _lines = st.lists(
-    st.one_of(st.text(max_size=40),  # Any Unicode, including control characters.
-              st.just(''),
-              st.text(alphabet='abcdefghijklmnopqrstuvwxyz- ', min_size=100, max_size=400)),
-    min_size=0, max_size=12)
+  st.one_of(
+    st.text(max_size=40),  # Any Unicode, including control characters.
+    st.just(''),
+    st.text(alphabet='abcdefghijklmnopqrstuvwxyz- ', min_size=100, max_size=400),
+  ),
+  min_size=0,
+  max_size=12,
+)
 
 
-@settings(max_examples=40, deadline=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(
+  max_examples=40,
+  deadline=None,
+  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 @given(_lines)
 def test_one_output_per_input_in_order(lines):
   lines = [line.replace('\n', ' ').replace('\r', ' ') for line in lines]
@@ -111,8 +125,9 @@ def test_a_cudnn_trained_model_translates_on_cpu_through_xla_attention(tmp_path)
   save_params(Workdir(str(tmp_path)).averaged, reference.params)
   loaded = Translator.from_checkpoint(str(tmp_path), 'averaged')
   assert loaded.model_config == cudnn_config.replace(attention_impl='xla')
-  float32 = Translator(loaded.model_config.replace(dtype='float32'), loaded.params,
-                       loaded.tokenizer, batch_size=8)
+  float32 = Translator(
+    loaded.model_config.replace(dtype='float32'), loaded.params, loaded.tokenizer, batch_size=8
+  )
   sentences = ['three hundred forty-two', 'seven']
   assert float32.translate(sentences, beam_size=1) == reference.translate(sentences, beam_size=1)
   assert len(loaded.translate(sentences, beam_size=1)) == 2  # bfloat16 runs too
@@ -150,8 +165,9 @@ def test_output_is_capped_at_input_length_plus_50_tokens(beam_size):
   base = _translator()
   params, suppressed = decode_benchmark.suppress_eos(base.params, base.model_config)
   assert suppressed
-  translator = Translator(base.model_config.replace(max_len=96), params, base.tokenizer,
-                          batch_size=4)
+  translator = Translator(
+    base.model_config.replace(max_len=96), params, base.tokenizer, batch_size=4
+  )
   translator.tokenizer = copy.copy(base.tokenizer)
   translator.tokenizer.decode = lambda ids: str(len(ids))  # Output token counts, not text.
   sentences = ['one', 'seven hundred forty-two thousand three hundred one', 'one ' * 60]

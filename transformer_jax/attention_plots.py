@@ -12,10 +12,10 @@ from transformer_jax.errors import UserInputError
 from transformer_jax.inference import AttentionMaps, Translator
 
 KINDS = {
-    # kind: (AttentionMaps field, query tokens, key tokens, title)
-    'cross': ('cross', 'target_tokens', 'source_tokens', 'encoder-decoder attention'),
-    'encoder': ('encoder_self', 'source_tokens', 'source_tokens', 'encoder self-attention'),
-    'decoder': ('decoder_self', 'target_tokens', 'target_tokens', 'decoder self-attention'),
+  # kind: (AttentionMaps field, query tokens, key tokens, title)
+  'cross': ('cross', 'target_tokens', 'source_tokens', 'encoder-decoder attention'),
+  'encoder': ('encoder_self', 'source_tokens', 'source_tokens', 'encoder self-attention'),
+  'decoder': ('decoder_self', 'target_tokens', 'target_tokens', 'decoder self-attention'),
 }
 
 
@@ -37,17 +37,28 @@ def plot(maps: AttentionMaps, kind: str, out: str, layers: list[int] | None = No
   layers = layers or list(range(1, num_layers + 1))
   for layer in layers:
     if not 1 <= layer <= num_layers:
-      raise UserInputError(f'--layers: layer {layer} does not exist (the model has '
-                           f'{num_layers}, numbered from 1)')
+      raise UserInputError(
+        f'--layers: layer {layer} does not exist (the model has {num_layers}, numbered from 1)'
+      )
   cell = 0.22  # Inches per token, so labels stay legible.
   panel_width, panel_height = 1.2 + cell * len(keys), 1.0 + cell * len(queries)
-  figure, axes = plt.subplots(len(layers), num_heads, squeeze=False,
-                              figsize=(panel_width * num_heads, panel_height * len(layers)))
+  figure, axes = plt.subplots(
+    len(layers),
+    num_heads,
+    squeeze=False,
+    figsize=(panel_width * num_heads, panel_height * len(layers)),
+  )
   for row, layer in enumerate(layers):
     for head in range(num_heads):
       axis = axes[row][head]
-      axis.imshow(weights[layer - 1, head], cmap='viridis', vmin=0.0, vmax=1.0,
-                  aspect='auto', interpolation='nearest')
+      axis.imshow(
+        weights[layer - 1, head],
+        cmap='viridis',
+        vmin=0.0,
+        vmax=1.0,
+        aspect='auto',
+        interpolation='nearest',
+      )
       axis.set_xticks(range(len(keys)), keys, rotation=90, fontsize=7)
       axis.set_yticks(range(len(queries)), queries, fontsize=7)
       axis.set_title(f'layer {layer}, head {head + 1}', fontsize=8)
@@ -58,10 +69,18 @@ def plot(maps: AttentionMaps, kind: str, out: str, layers: list[int] | None = No
   return out
 
 
-def plot_translation(workdir: str, text: str, out: str, *, target: str | None = None,
-                     kind: str = 'cross', layers: list[int] | None = None,
-                     checkpoint: int | str | None = None, beam_size: int = 4,
-                     alpha: float = 0.6) -> tuple[AttentionMaps, str]:
+def plot_translation(
+  workdir: str,
+  text: str,
+  out: str,
+  *,
+  target: str | None = None,
+  kind: str = 'cross',
+  layers: list[int] | None = None,
+  checkpoint: int | str | None = None,
+  beam_size: int = 4,
+  alpha: float = 0.6,
+) -> tuple[AttentionMaps, str]:
   """The `plot_attention` command: restores `workdir`, translates `text` unless `target` is
   given, and draws one kind of attention to `out`. Returns (the maps, the target used)."""
   if kind not in KINDS:

@@ -15,8 +15,9 @@ FLAGS = flags.FLAGS
 
 def _define_flags():
   flags.DEFINE_string('workdir', None, 'Training workdir (its checkpoints are averaged).')
-  flags.DEFINE_integer('last', 5, 'Average the newest this many checkpoints (paper: 5 for '
-                       'base, 20 for big).')
+  flags.DEFINE_integer(
+    'last', 5, 'Average the newest this many checkpoints (paper: 5 for base, 20 for big).'
+  )
   flags.mark_flags_as_required(['workdir'])
 
 
@@ -24,8 +25,10 @@ def main(argv):
   del argv
   result = averaging.average_checkpoints(FLAGS.workdir, FLAGS.last)
   steps = result['averaged_steps']
-  print(f'averaged {len(steps)} checkpoint(s) (steps {", ".join(map(str, steps))}) '
-        f'into {result["path"]}')
+  print(
+    f'averaged {len(steps)} checkpoint(s) (steps {", ".join(map(str, steps))}) '
+    f'into {result["path"]}'
+  )
 
 
 def run():

@@ -52,8 +52,14 @@ def average_checkpoints(workdir: str, last: int) -> dict:
     if not steps:
       raise UserInputError(f'no checkpoints in {checkpoint_dir}')
     if len(steps) < last:
-      logging.warning('only %d checkpoint(s) in %s (steps %s) but --last=%d: averaging all %d',
-                      len(steps), checkpoint_dir, steps, last, len(steps))
+      logging.warning(
+        'only %d checkpoint(s) in %s (steps %s) but --last=%d: averaging all %d',
+        len(steps),
+        checkpoint_dir,
+        steps,
+        last,
+        len(steps),
+      )
     chosen = steps[-last:]
     reference = None  # (treedef, [(name, shape, dtype)]) of the first checkpoint read
     sums: list[np.ndarray | None] = []
@@ -61,33 +67,39 @@ def average_checkpoints(workdir: str, last: int) -> dict:
     for step in chosen:
       params = checkpointer.restore_params_to_host(step)
       flat, treedef = jax.tree_util.tree_flatten_with_path(params)
-      signature = [(_describe(path), np.shape(leaf), np.asarray(leaf).dtype)
-                   for path, leaf in flat]
+      signature = [(_describe(path), np.shape(leaf), np.asarray(leaf).dtype) for path, leaf in flat]
       if reference is None:
         reference = (treedef, signature)
         # Floating leaves are averaged; any other leaf keeps the newest checkpoint's value.
-        sums = [np.zeros(shape, np.float64) if jnp.issubdtype(dtype, jnp.floating) else None
-                for _, shape, dtype in signature]
+        sums = [
+          np.zeros(shape, np.float64) if jnp.issubdtype(dtype, jnp.floating) else None
+          for _, shape, dtype in signature
+        ]
       elif (treedef, signature) != reference:
         raise UserInputError(
-            f'{checkpoint_dir}: step {step} has different parameters than step {chosen[0]} '
-            f'({_first_difference(reference[1], signature)}); cannot average them')
+          f'{checkpoint_dir}: step {step} has different parameters than step {chosen[0]} '
+          f'({_first_difference(reference[1], signature)}); cannot average them'
+        )
       for index, (_, leaf) in enumerate(flat):
         if sums[index] is not None:
           sums[index] += np.asarray(leaf, np.float64)
-      latest_leaves = [None if total is not None else np.asarray(leaf)
-                       for total, (_, leaf) in zip(sums, flat)]
+      latest_leaves = [
+        None if total is not None else np.asarray(leaf) for total, (_, leaf) in zip(sums, flat)
+      ]
       del params, flat
   treedef, signature = reference
   count = len(chosen)
   averaged = [
-      (total / count).astype(dtype) if total is not None else latest
-      for total, latest, (_, _, dtype) in zip(sums, latest_leaves, signature)]
+    (total / count).astype(dtype) if total is not None else latest
+    for total, latest, (_, _, dtype) in zip(sums, latest_leaves, signature)
+  ]
   del sums
-  metadata = {'averaged_steps': [int(s) for s in chosen], 'latest_step': int(chosen[-1]),
-              'last_requested': last}
-  path = save_params(workdir.averaged,
-                     jax.tree_util.tree_unflatten(treedef, averaged), metadata)
+  metadata = {
+    'averaged_steps': [int(s) for s in chosen],
+    'latest_step': int(chosen[-1]),
+    'last_requested': last,
+  }
+  path = save_params(workdir.averaged, jax.tree_util.tree_unflatten(treedef, averaged), metadata)
   return dict(metadata, path=path)
 
 

@@ -51,8 +51,7 @@ _CHECKSUMS = '_checksums'
 
 
 def _path_name(path) -> str:
-  return '/'.join(str(getattr(k, 'key', getattr(k, 'name', getattr(k, 'idx', k))))
-                  for k in path)
+  return '/'.join(str(getattr(k, 'key', getattr(k, 'name', getattr(k, 'idx', k)))) for k in path)
 
 
 @jax.jit
@@ -68,8 +67,7 @@ def _leaf_checksums(tree):
     unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize]
     bits = jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32).reshape(-1)
     weights = (jnp.arange(bits.size, dtype=jnp.uint32) % 65521) + 1
-    return jnp.stack([jnp.sum(bits, dtype=jnp.uint32), jnp.sum(bits * weights,
-                                                                dtype=jnp.uint32)])
+    return jnp.stack([jnp.sum(bits, dtype=jnp.uint32), jnp.sum(bits * weights, dtype=jnp.uint32)])
 
   return jax.tree_util.tree_map(checksum, tree)
 
@@ -77,8 +75,12 @@ def _leaf_checksums(tree):
 def checksums(tree) -> dict[str, list[int]]:
   """{leaf path: [sum, weighted sum]} of a pytree's arrays (JSON-able)."""
   sums = jax.device_get(_leaf_checksums(tree))
-  return {_path_name(path): [int(v) for v in value]
-          for path, value in jax.tree_util.tree_flatten_with_path(sums)[0]}
+  return {
+    _path_name(path): [int(v) for v in value]
+    for path, value in jax.tree_util.tree_flatten_with_path(sums)[0]
+  }
+
+
 # Layout of a params-only checkpoint (save_params / restore_params_from).
 _PARAMS_ITEM = 'params'
 _METADATA_FILE = 'metadata.json'
@@ -87,8 +89,14 @@ _METADATA_FILE = 'metadata.json'
 class Checkpointer:
   """Keeps the last `keep` checkpoints of (state, data_state) in `directory`."""
 
-  def __init__(self, directory: str, *, keep: int | None = 3,
-               async_save: bool = True, damaged_directory: str | None = None):
+  def __init__(
+    self,
+    directory: str,
+    *,
+    keep: int | None = 3,
+    async_save: bool = True,
+    damaged_directory: str | None = None,
+  ):
     # keep=None keeps every checkpoint (use it for read-only access, so that
     # opening a directory can never be what prunes it).
     # damaged_directory: where `quarantine` moves steps that do not read back
@@ -98,9 +106,11 @@ class Checkpointer:
     self.directory = os.path.abspath(os.fspath(directory))
     self.damaged_directory = damaged_directory
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=keep, create=True, enable_async_checkpointing=async_save)
+      max_to_keep=keep, create=True, enable_async_checkpointing=async_save
+    )
     self._manager = ocp.CheckpointManager(
-        self.directory, options=options, item_names=(_STATE, _DATA))
+      self.directory, options=options, item_names=(_STATE, _DATA)
+    )
 
   # ---- queries ----
 
@@ -123,10 +133,12 @@ class Checkpointer:
     """
     data = dict(data_state or {})
     data[_CHECKSUMS] = checksums(state)
-    args = ocp.args.Composite(**{
+    args = ocp.args.Composite(
+      **{
         _STATE: ocp.args.StandardSave(state),
         _DATA: ocp.args.JsonSave(data),
-    })
+      }
+    )
     return bool(self._manager.save(int(step), args=args))
 
   # ---- restore ----
@@ -144,12 +156,11 @@ class Checkpointer:
     steps = self.all_steps()
     if int(step) not in steps:
       raise FileNotFoundError(
-          f'no checkpoint for step {step} in {self.directory} '
-          f'(available steps: {steps})')
+        f'no checkpoint for step {step} in {self.directory} (available steps: {steps})'
+      )
     return int(step)
 
-  def restore(self, abstract_state: Any,
-              step: int | None = None) -> tuple[Any, dict]:
+  def restore(self, abstract_state: Any, step: int | None = None) -> tuple[Any, dict]:
     """Restores (state, data_state) at `step` (None = latest).
 
     `abstract_state` is a pytree of jax.ShapeDtypeStruct whose `.sharding`
@@ -159,10 +170,15 @@ class Checkpointer:
     """
     step = self._resolve_step(step)
     try:
-      restored = self._manager.restore(step, args=ocp.args.Composite(**{
-          _STATE: ocp.args.StandardRestore(abstract_state),
-          _DATA: ocp.args.JsonRestore(),
-      }))
+      restored = self._manager.restore(
+        step,
+        args=ocp.args.Composite(
+          **{
+            _STATE: ocp.args.StandardRestore(abstract_state),
+            _DATA: ocp.args.JsonRestore(),
+          }
+        ),
+      )
     except Exception as error:  # orbax/tensorstore raise many types; all mean "unreadable".
       raise self._corrupt(step, error) from None
     # JsonRestore returns None if the item was never written; normalise.
@@ -170,8 +186,9 @@ class Checkpointer:
     self._verify(step, restored[_STATE], data.pop(_CHECKSUMS, None))
     return restored[_STATE], data
 
-  def restore_latest_valid(self, abstract_state: Any,
-                           on_error=None) -> tuple[Any, dict, int] | None:
+  def restore_latest_valid(
+    self, abstract_state: Any, on_error=None
+  ) -> tuple[Any, dict, int] | None:
     """(state, data_state, step) of the newest checkpoint that reads back intact, or None.
 
     Damaged checkpoints are moved to `damaged_directory` (newest first, see `quarantine`) and
@@ -195,8 +212,9 @@ class Checkpointer:
     if self.damaged_directory is None:
       raise ValueError('this Checkpointer was given no damaged_directory to move steps to')
     self._manager.wait_until_finished()
-    destination = os.path.join(self.damaged_directory,
-                               f'{step}-{time.strftime("%Y%m%d-%H%M%S")}-{uuid.uuid4().hex[:6]}')
+    destination = os.path.join(
+      self.damaged_directory, f'{step}-{time.strftime("%Y%m%d-%H%M%S")}-{uuid.uuid4().hex[:6]}'
+    )
     os.makedirs(os.path.dirname(destination), exist_ok=True)
     if jax.process_index() == 0:
       shutil.move(os.path.join(self.directory, str(step)), destination)
@@ -206,8 +224,9 @@ class Checkpointer:
   def _corrupt(self, step: int, error: Exception) -> CorruptCheckpointError:
     first_line = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
     return CorruptCheckpointError(
-        f'checkpoint step {step} at {os.path.join(self.directory, str(step))} is damaged or '
-        f'incomplete ({type(error).__name__}: {first_line})')
+      f'checkpoint step {step} at {os.path.join(self.directory, str(step))} is damaged or '
+      f'incomplete ({type(error).__name__}: {first_line})'
+    )
 
   def _verify(self, step: int, tree: Any, expected: dict | None, prefix: str = '') -> None:
     if expected is None:
@@ -216,11 +235,11 @@ class Checkpointer:
       name = prefix + name
       if name in expected and expected[name] != value:
         raise CorruptCheckpointError(
-            f'checkpoint step {step} at {os.path.join(self.directory, str(step))} is damaged: '
-            f'{name} does not match the checksum written with it')
+          f'checkpoint step {step} at {os.path.join(self.directory, str(step))} is damaged: '
+          f'{name} does not match the checksum written with it'
+        )
 
-  def restore_params(self, abstract_params: Any,
-                     step: int | None = None) -> Any:
+  def restore_params(self, abstract_params: Any, step: int | None = None) -> Any:
     """Restores only `state.params` at `step` (None = latest).
 
     For inference: no optimizer-state shapes are needed. StandardRestore in
@@ -236,8 +255,10 @@ class Checkpointer:
     restore_args = ocp.checkpoint_utils.construct_restore_args(target)
     try:
       with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as reader:
-        restored = reader.restore(item_dir, args=ocp.args.PyTreeRestore(
-            item=target, restore_args=restore_args, partial_restore=True))
+        restored = reader.restore(
+          item_dir,
+          args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True),
+        )
       data_file = os.path.join(self.directory, str(step), _DATA, 'metadata')
       expected = None
       if os.path.exists(data_file):
@@ -264,20 +285,27 @@ class Checkpointer:
       raise self._corrupt(step, error) from None
     if not isinstance(stored, dict) or 'params' not in stored:
       raise ValueError(f'{item_dir}: the saved state has no params field')
-    target = {'params': jax.tree.map(
-        lambda meta: jax.ShapeDtypeStruct(meta.shape, meta.dtype),
-        stored['params'])}
-    restore_args = jax.tree.map(
-        lambda _: ocp.RestoreArgs(restore_type=np.ndarray), target)
+    target = {
+      'params': jax.tree.map(
+        lambda meta: jax.ShapeDtypeStruct(meta.shape, meta.dtype), stored['params']
+      )
+    }
+    restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), target)
     try:
       with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as reader:
-        restored = reader.restore(item_dir, args=ocp.args.PyTreeRestore(
-            item=target, restore_args=restore_args, partial_restore=True))
+        restored = reader.restore(
+          item_dir,
+          args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True),
+        )
     except Exception as error:  # orbax/tensorstore raise many types; all mean "unreadable".
       raise self._corrupt(step, error) from None
     step_dir = os.path.join(self.directory, str(step))
-    _verify_leaves(f'checkpoint step {step} at {step_dir}', restored['params'],
-                   _step_checksums(step_dir), prefix='params/')
+    _verify_leaves(
+      f'checkpoint step {step} at {step_dir}',
+      restored['params'],
+      _step_checksums(step_dir),
+      prefix='params/',
+    )
     return restored['params']
 
   def _state_dir(self, step: int) -> epath.Path:
@@ -328,7 +356,8 @@ def _verify_leaves(where: str, tree: Any, expected: dict | None, prefix: str = '
     name = prefix + name
     if name in expected and expected[name] != value:
       raise CorruptCheckpointError(
-          f'{where} is damaged: {name} does not match the checksum written with it')
+        f'{where} is damaged: {name} does not match the checksum written with it'
+      )
 
 
 def _unreadable(where: str, error: Exception) -> CorruptCheckpointError:
@@ -336,7 +365,8 @@ def _unreadable(where: str, error: Exception) -> CorruptCheckpointError:
   # Same wording as Checkpointer._corrupt; tensorstore messages run to many lines of JSON spec.
   first_line = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
   return CorruptCheckpointError(
-      f'{where} is damaged or incomplete ({type(error).__name__}: {first_line})')
+    f'{where} is damaged or incomplete ({type(error).__name__}: {first_line})'
+  )
 
 
 def _step_checksums(step_dir: str) -> dict | None:
@@ -348,14 +378,14 @@ def _step_checksums(step_dir: str) -> dict | None:
     with open(data_file) as f:
       return json.load(f).get(_CHECKSUMS)
   except (OSError, ValueError, AttributeError) as error:  # AttributeError: JSON not a dict
-    raise _unreadable(f'checkpoint step {os.path.basename(step_dir)} at {step_dir}',
-                      error) from None
+    raise _unreadable(
+      f'checkpoint step {os.path.basename(step_dir)} at {step_dir}', error
+    ) from None
 
 
 def _leaves_by_name(tree: Any) -> dict[str, Any]:
   flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-  return {jax.tree_util.keystr(path, simple=True, separator='/'): leaf
-          for path, leaf in flat}
+  return {jax.tree_util.keystr(path, simple=True, separator='/'): leaf for path, leaf in flat}
 
 
 def _check_matches(directory: str, stored: Any, target: Any) -> None:
@@ -365,20 +395,26 @@ def _check_matches(directory: str, stored: Any, target: Any) -> None:
   missing = sorted(set(target) - set(stored))
   unexpected = sorted(set(stored) - set(target))
   if missing:
-    problems.append(f'missing {", ".join(missing[:3])}'
-                    + (f' (+{len(missing) - 3} more)' if len(missing) > 3 else ''))
+    problems.append(
+      f'missing {", ".join(missing[:3])}'
+      + (f' (+{len(missing) - 3} more)' if len(missing) > 3 else '')
+    )
   if unexpected:
-    problems.append(f'unexpected {", ".join(unexpected[:3])}'
-                    + (f' (+{len(unexpected) - 3} more)'
-                       if len(unexpected) > 3 else ''))
+    problems.append(
+      f'unexpected {", ".join(unexpected[:3])}'
+      + (f' (+{len(unexpected) - 3} more)' if len(unexpected) > 3 else '')
+    )
   for name in sorted(set(stored) & set(target)):
     if tuple(stored[name].shape) != tuple(target[name].shape):
-      problems.append(f'{name} has shape {tuple(stored[name].shape)}, the '
-                      f'model expects {tuple(target[name].shape)}')
+      problems.append(
+        f'{name} has shape {tuple(stored[name].shape)}, the '
+        f'model expects {tuple(target[name].shape)}'
+      )
       break
   if problems:
-    raise UserInputError(f'{directory}: saved parameters do not match the '
-                         f'model: {"; ".join(problems)}')
+    raise UserInputError(
+      f'{directory}: saved parameters do not match the model: {"; ".join(problems)}'
+    )
 
 
 # Reserved key in metadata.json under which save_params records a checksum of every params
@@ -390,8 +426,9 @@ _PARAMS_CHECKSUMS = '_checksums'
 def is_params_checkpoint(directory: str) -> bool:
   """Whether `directory` holds a complete params-only checkpoint."""
   directory = os.path.abspath(os.fspath(directory))
-  return (os.path.isfile(os.path.join(directory, _METADATA_FILE))
-          and os.path.isdir(os.path.join(directory, _PARAMS_ITEM)))
+  return os.path.isfile(os.path.join(directory, _METADATA_FILE)) and os.path.isdir(
+    os.path.join(directory, _PARAMS_ITEM)
+  )
 
 
 def _require_params_checkpoint(directory: str) -> str:
@@ -416,8 +453,7 @@ def save_params(directory: str, params: Any, metadata: dict | None = None) -> st
   Single-process only. Returns the absolute path written.
   """
   if jax.process_count() > 1:
-    raise RuntimeError('save_params writes from one process; run it in a '
-                       'single-process job')
+    raise RuntimeError('save_params writes from one process; run it in a single-process job')
   directory = os.path.abspath(os.fspath(directory))
   metadata = dict(metadata or {})
   if _PARAMS_CHECKSUMS in metadata:
@@ -426,11 +462,13 @@ def save_params(directory: str, params: Any, metadata: dict | None = None) -> st
   # from a background thread, after it had started creating files.
   for path, leaf in jax.tree_util.tree_leaves_with_path(params):
     if not isinstance(leaf, (np.ndarray, np.generic, jax.Array)):
-      raise TypeError(f'save_params: leaf {jax.tree_util.keystr(path)} is a '
-                      f'{type(leaf).__name__}, not an array')
+      raise TypeError(
+        f'save_params: leaf {jax.tree_util.keystr(path)} is a {type(leaf).__name__}, not an array'
+      )
   # Likewise serialise first, so a metadata dict that is not JSON fails before any I/O.
-  metadata_text = json.dumps(dict(metadata, **{_PARAMS_CHECKSUMS: checksums(params)}),
-                             indent=2, sort_keys=True)
+  metadata_text = json.dumps(
+    dict(metadata, **{_PARAMS_CHECKSUMS: checksums(params)}), indent=2, sort_keys=True
+  )
   parent, name = os.path.split(directory)
   os.makedirs(parent, exist_ok=True)
   for entry in os.listdir(parent):  # leftovers of earlier interrupted saves
@@ -482,9 +520,11 @@ def _read_metadata_file(directory: str) -> dict:
   except ValueError as error:  # bad JSON or bad UTF-8: the file was damaged after the save
     raise _unreadable(f'params checkpoint at {directory}', error) from None
   if not isinstance(metadata, dict):
-    raise CorruptCheckpointError(f'params checkpoint at {directory} is damaged: '
-                                 f'{_METADATA_FILE} holds a {type(metadata).__name__}, '
-                                 f'not a dict')
+    raise CorruptCheckpointError(
+      f'params checkpoint at {directory} is damaged: '
+      f'{_METADATA_FILE} holds a {type(metadata).__name__}, '
+      f'not a dict'
+    )
   return metadata
 
 
@@ -498,8 +538,10 @@ def read_metadata(directory: str) -> dict:
 def params_shapes(directory: str) -> Any:
   """Stored params of a params-only checkpoint as jax.ShapeDtypeStruct leaves."""
   directory = _require_params_checkpoint(directory)
-  return jax.tree.map(lambda meta: jax.ShapeDtypeStruct(meta.shape, meta.dtype),
-                      _tree_metadata(os.path.join(directory, _PARAMS_ITEM)))
+  return jax.tree.map(
+    lambda meta: jax.ShapeDtypeStruct(meta.shape, meta.dtype),
+    _tree_metadata(os.path.join(directory, _PARAMS_ITEM)),
+  )
 
 
 def restore_params_from(directory: str, abstract_params: Any) -> Any:
@@ -526,15 +568,19 @@ def restore_params_from(directory: str, abstract_params: Any) -> Any:
   # target shardings), verify, and only then cast to the dtypes asked for.
   stored_dtypes = {name: meta.dtype for name, meta in _leaves_by_name(stored).items()}
   read_as = jax.tree_util.tree_map_with_path(
-      lambda path, leaf: jax.ShapeDtypeStruct(
-          leaf.shape, stored_dtypes[jax.tree_util.keystr(path, simple=True, separator='/')],
-          sharding=getattr(leaf, 'sharding', None)),
-      abstract_params)
+    lambda path, leaf: jax.ShapeDtypeStruct(
+      leaf.shape,
+      stored_dtypes[jax.tree_util.keystr(path, simple=True, separator='/')],
+      sharding=getattr(leaf, 'sharding', None),
+    ),
+    abstract_params,
+  )
   try:
     with ocp.StandardCheckpointer() as reader:
       restored = reader.restore(item_dir, read_as)
   except Exception as error:  # orbax/tensorstore raise many types; all mean "unreadable".
     raise _unreadable(where, error) from None
   _verify_leaves(where, restored, expected)
-  return jax.tree.map(lambda x, leaf: x if x.dtype == leaf.dtype else x.astype(leaf.dtype),
-                      restored, abstract_params)
+  return jax.tree.map(
+    lambda x, leaf: x if x.dtype == leaf.dtype else x.astype(leaf.dtype), restored, abstract_params
+  )

@@ -112,5 +112,6 @@ def checkpoint_flag_value(value: str | None) -> int | str | None:
   try:
     return int(value)
   except ValueError:
-    raise UserInputError(f"--checkpoint must be a step number, 'averaged' or 'latest', "
-                         f'got {value!r}') from None
+    raise UserInputError(
+      f"--checkpoint must be a step number, 'averaged' or 'latest', got {value!r}"
+    ) from None

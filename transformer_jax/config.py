@@ -57,40 +57,56 @@ class TransformerConfig:
   attention_impl: str = 'einsum'
 
   def __post_init__(self):
-    for name in ('vocab_size', 'd_model', 'd_ff', 'num_heads', 'num_encoder_layers',
-                 'num_decoder_layers', 'max_len'):
+    for name in (
+      'vocab_size',
+      'd_model',
+      'd_ff',
+      'num_heads',
+      'num_encoder_layers',
+      'num_decoder_layers',
+      'max_len',
+    ):
       value = getattr(self, name)
       if not is_integer(value) or value <= 0:
         raise UserInputError(f'TransformerConfig.{name} must be a positive integer, got {value!r}')
     for name in ('qk_dim', 'v_dim'):
       value = getattr(self, name)
       if value is not None and (not is_integer(value) or value <= 0):
-        raise UserInputError(f'TransformerConfig.{name} must be a positive integer or None, '
-                             f'got {value!r}')
+        raise UserInputError(
+          f'TransformerConfig.{name} must be a positive integer or None, got {value!r}'
+        )
     if (self.qk_dim is None or self.v_dim is None) and self.d_model % self.num_heads:
       raise UserInputError(
-          f'TransformerConfig.d_model={self.d_model} is not divisible by '
-          f'num_heads={self.num_heads}; set qk_dim and v_dim explicitly or change the sizes')
+        f'TransformerConfig.d_model={self.d_model} is not divisible by '
+        f'num_heads={self.num_heads}; set qk_dim and v_dim explicitly or change the sizes'
+      )
     for name in ('dropout_rate', 'attention_dropout_rate'):
       value = getattr(self, name)
       if not is_number(value) or not 0.0 <= value < 1.0:
         raise UserInputError(f'TransformerConfig.{name} must be in [0, 1), got {value!r}')
     if not is_number(self.layer_norm_epsilon) or self.layer_norm_epsilon <= 0:
-      raise UserInputError('TransformerConfig.layer_norm_epsilon must be a positive number, '
-                           f'got {self.layer_norm_epsilon!r}')
+      raise UserInputError(
+        'TransformerConfig.layer_norm_epsilon must be a positive number, '
+        f'got {self.layer_norm_epsilon!r}'
+      )
     if self.attention_impl not in _ATTENTION_IMPLS:
-      raise UserInputError(f'TransformerConfig.attention_impl must be one of '
-                           f'{", ".join(_ATTENTION_IMPLS)}, got {self.attention_impl!r}')
+      raise UserInputError(
+        f'TransformerConfig.attention_impl must be one of '
+        f'{", ".join(_ATTENTION_IMPLS)}, got {self.attention_impl!r}'
+      )
     if self.attention_impl != 'einsum' and self.attention_dropout_rate > 0:
       raise UserInputError(
-          f'TransformerConfig.attention_impl={self.attention_impl!r} has no attention dropout; '
-          f'set attention_dropout_rate=0 (got {self.attention_dropout_rate}) or use \'einsum\'')
+        f'TransformerConfig.attention_impl={self.attention_impl!r} has no attention dropout; '
+        f"set attention_dropout_rate=0 (got {self.attention_dropout_rate}) or use 'einsum'"
+      )
     if self.attention_impl == 'cudnn' and self.dtype == 'float32':
-      raise UserInputError("TransformerConfig.attention_impl='cudnn' needs dtype bfloat16 or "
-                           'float16, got float32')
+      raise UserInputError(
+        "TransformerConfig.attention_impl='cudnn' needs dtype bfloat16 or float16, got float32"
+      )
     if self.dtype not in _DTYPES:
-      raise UserInputError(f'TransformerConfig.dtype must be one of {sorted(_DTYPES)}, '
-                           f'got {self.dtype!r}')
+      raise UserInputError(
+        f'TransformerConfig.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}'
+      )
 
   @property
   def head_qk_dim(self) -> int:

@@ -33,6 +33,7 @@ LogitsFn = Callable[[jax.Array], jax.Array]
 
 # --- Helpers shared by all searches ------------------------------------------
 
+
 def _mask_pad(logits: jax.Array, pad_id: int) -> jax.Array:
   """Padding is never a prediction: an emitted pad would be masked as padding
   by a model that recomputes the prefix but attended to by one with a cache,
@@ -40,8 +41,9 @@ def _mask_pad(logits: jax.Array, pad_id: int) -> jax.Array:
   return logits.at[..., pad_id].set(-jnp.inf)
 
 
-def _record_token(token: jax.Array, finished: jax.Array, *, eos_id: int,
-                  pad_id: int) -> tuple[jax.Array, jax.Array]:
+def _record_token(
+  token: jax.Array, finished: jax.Array, *, eos_id: int, pad_id: int
+) -> tuple[jax.Array, jax.Array]:
   """Applies the EOS convention to one step's chosen token per row.
 
   token: int32[...], finished: bool[...] (rows that already emitted EOS).
@@ -52,8 +54,7 @@ def _record_token(token: jax.Array, finished: jax.Array, *, eos_id: int,
   return written, finished | (written == eos_id)
 
 
-def _keep_decoding(step: jax.Array, finished: jax.Array,
-                   max_decode_len: int) -> jax.Array:
+def _keep_decoding(step: jax.Array, finished: jax.Array, max_decode_len: int) -> jax.Array:
   """while_loop condition: steps left and some row still unfinished."""
   return (step < max_decode_len) & ~jnp.all(finished)
 
@@ -61,8 +62,9 @@ def _keep_decoding(step: jax.Array, finished: jax.Array,
 def _check_lengths(batch_size: int, max_decode_len: int) -> None:
   # Python-level checks: these are static (bound with partial under jit).
   if batch_size < 1 or max_decode_len < 1:
-    raise ValueError(f'batch_size ({batch_size}) and max_decode_len '
-                     f'({max_decode_len}) must both be >= 1')
+    raise ValueError(
+      f'batch_size ({batch_size}) and max_decode_len ({max_decode_len}) must both be >= 1'
+    )
 
 
 def _uncached_next_logits(logits_fn: LogitsFn, bos_id: int):
@@ -72,20 +74,28 @@ def _uncached_next_logits(logits_fn: LogitsFn, bos_id: int):
   positions >= step, so the target input is out shifted right behind BOS:
   [BOS, y_0..y_{step-1}, pad...]; the logits at `step` predict y_step.
   """
+
   def next_logits(step, token, out, extra):
     bos = jnp.full((out.shape[0], 1), bos_id, jnp.int32)
-    logits = logits_fn(jnp.concatenate([bos, out[:, :-1]], axis=1))   # [r,L,V]
-    return jax.lax.dynamic_index_in_dim(logits, step, axis=1,
-                                        keepdims=False), extra         # [r, V]
+    logits = logits_fn(jnp.concatenate([bos, out[:, :-1]], axis=1))  # [r,L,V]
+    return jax.lax.dynamic_index_in_dim(logits, step, axis=1, keepdims=False), extra  # [r, V]
+
   return next_logits
 
 
 # --- Greedy search -----------------------------------------------------------
 
-def _greedy_loop(next_logits: Callable[[jax.Array, jax.Array, jax.Array, Any],
-                                       tuple[jax.Array, Any]],
-                 extra: Any, *, batch_size: int, max_decode_len: int,
-                 bos_id: int, eos_id: int, pad_id: int) -> tuple[jax.Array, Any]:
+
+def _greedy_loop(
+  next_logits: Callable[[jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]],
+  extra: Any,
+  *,
+  batch_size: int,
+  max_decode_len: int,
+  bos_id: int,
+  eos_id: int,
+  pad_id: int,
+) -> tuple[jax.Array, Any]:
   """The greedy while_loop shared by the cached and uncached variants.
 
   next_logits(step, token [b,1], out [b,max_len], extra) -> (logits [b,vocab],
@@ -98,29 +108,36 @@ def _greedy_loop(next_logits: Callable[[jax.Array, jax.Array, jax.Array, Any],
     step, token, out, finished, extra = state
     logits, extra = next_logits(step, token, out, extra)
     logits = _mask_pad(logits, pad_id)
-    chosen = jnp.argmax(logits, axis=-1).astype(jnp.int32)            # [b]
-    written, finished = _record_token(chosen, finished, eos_id=eos_id,
-                                      pad_id=pad_id)
-    out = jax.lax.dynamic_update_slice_in_dim(out, written[:, None], step,
-                                              axis=1)
+    chosen = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [b]
+    written, finished = _record_token(chosen, finished, eos_id=eos_id, pad_id=pad_id)
+    out = jax.lax.dynamic_update_slice_in_dim(out, written[:, None], step, axis=1)
     # Finished rows feed pad: their later logits are ignored anyway.
     return step + 1, written[:, None], out, finished, extra
 
   init = (
-      jnp.asarray(0, jnp.int32),                                      # step
-      jnp.full((batch_size, 1), bos_id, jnp.int32),                   # [b, 1]
-      jnp.full((batch_size, max_decode_len), pad_id, jnp.int32),      # [b, L]
-      jnp.zeros((batch_size,), jnp.bool_),                            # [b]
-      extra,
+    jnp.asarray(0, jnp.int32),  # step
+    jnp.full((batch_size, 1), bos_id, jnp.int32),  # [b, 1]
+    jnp.full((batch_size, max_decode_len), pad_id, jnp.int32),  # [b, L]
+    jnp.zeros((batch_size,), jnp.bool_),  # [b]
+    extra,
   )
   _, _, out, _, extra = jax.lax.while_loop(
-      lambda s: _keep_decoding(s[0], s[3], max_decode_len), body, init)
+    lambda s: _keep_decoding(s[0], s[3], max_decode_len), body, init
+  )
   return out, extra
 
 
-def greedy_search(step_fn: StepFn, cache: Any, *, batch_size: int,
-                  max_decode_len: int, bos_id: int, eos_id: int,
-                  pad_id: int = 0, return_cache: bool = False):
+def greedy_search(
+  step_fn: StepFn,
+  cache: Any,
+  *,
+  batch_size: int,
+  max_decode_len: int,
+  bos_id: int,
+  eos_id: int,
+  pad_id: int = 0,
+  return_cache: bool = False,
+):
   """Greedy decoding with an incremental (key/value) cache.
 
   step_fn(token_ids int32[b, 1], cache) -> (logits float32[b, vocab],
@@ -133,15 +150,26 @@ def greedy_search(step_fn: StepFn, cache: Any, *, batch_size: int,
   how far the cache advanced (step_fn runs once per step until all rows end).
   """
   tokens, cache = _greedy_loop(
-      lambda step, token, out, cache: step_fn(token, cache), cache,
-      batch_size=batch_size, max_decode_len=max_decode_len, bos_id=bos_id,
-      eos_id=eos_id, pad_id=pad_id)
+    lambda step, token, out, cache: step_fn(token, cache),
+    cache,
+    batch_size=batch_size,
+    max_decode_len=max_decode_len,
+    bos_id=bos_id,
+    eos_id=eos_id,
+    pad_id=pad_id,
+  )
   return (tokens, cache) if return_cache else tokens
 
 
-def greedy_search_uncached(logits_fn: LogitsFn, *, batch_size: int,
-                           max_decode_len: int, bos_id: int, eos_id: int,
-                           pad_id: int = 0) -> jax.Array:
+def greedy_search_uncached(
+  logits_fn: LogitsFn,
+  *,
+  batch_size: int,
+  max_decode_len: int,
+  bos_id: int,
+  eos_id: int,
+  pad_id: int = 0,
+) -> jax.Array:
   """Greedy decoding by full recomputation of the target prefix each step.
 
   logits_fn(target_input_ids int32[b, max_decode_len]) -> float32[b,
@@ -150,9 +178,14 @@ def greedy_search_uncached(logits_fn: LogitsFn, *, batch_size: int,
   token for token, and as the baseline that shows what the cache buys.
   """
   tokens, _ = _greedy_loop(
-      _uncached_next_logits(logits_fn, bos_id), None, batch_size=batch_size,
-      max_decode_len=max_decode_len, bos_id=bos_id, eos_id=eos_id,
-      pad_id=pad_id)
+    _uncached_next_logits(logits_fn, bos_id),
+    None,
+    batch_size=batch_size,
+    max_decode_len=max_decode_len,
+    bos_id=bos_id,
+    eos_id=eos_id,
+    pad_id=pad_id,
+  )
   return tokens
 
 
@@ -161,13 +194,13 @@ def greedy_search_uncached(logits_fn: LogitsFn, *, batch_size: int,
 # Shapes: b = batch_size sentences, k = beam_size, B = b * k model rows
 # (batch-major: row i * k + j is beam j of sentence i), L = max_decode_len.
 
+
 def length_penalty(length: jax.Array | int, alpha: float) -> jax.Array:
   """GNMT length penalty ((5 + |y|) / 6) ** alpha; |y| counts EOS too."""
   return ((5.0 + jnp.asarray(length, jnp.float32)) / 6.0) ** alpha
 
 
-def expand_to_beams(tree: Any, beam_size: int,
-                    batch_size: int | None = None) -> Any:
+def expand_to_beams(tree: Any, beam_size: int, batch_size: int | None = None) -> Any:
   """Repeats every sentence's rows beam_size times (batch-major rows).
 
   Leaves with a leading batch axis are repeated along axis 0; 0-d leaves
@@ -176,21 +209,23 @@ def expand_to_beams(tree: Any, beam_size: int,
   else their step_fn closes over per sentence (encoder output, source ids).
   If batch_size is given, a leaf whose leading axis differs raises ValueError.
   """
+
   def expand(x):
     x = jnp.asarray(x)
     if x.ndim == 0:
       return x
     if batch_size is not None and x.shape[0] != batch_size:
-      raise ValueError(f'leaf of shape {x.shape} has no leading batch axis of '
-                       f'size {batch_size} (and is not 0-d)')
+      raise ValueError(
+        f'leaf of shape {x.shape} has no leading batch axis of size {batch_size} (and is not 0-d)'
+      )
     return jnp.repeat(x, beam_size, axis=0)
+
   return jax.tree.map(expand, tree)
 
 
 def _reorder_rows(tree: Any, rows: jax.Array) -> Any:
   """Gathers rows (int32[B]) of every batched leaf; 0-d leaves pass through."""
-  return jax.tree.map(
-      lambda x: x if jnp.ndim(x) == 0 else jnp.take(x, rows, axis=0), tree)
+  return jax.tree.map(lambda x: x if jnp.ndim(x) == 0 else jnp.take(x, rows, axis=0), tree)
 
 
 def _gather(x: jax.Array, idx: jax.Array) -> jax.Array:
@@ -198,9 +233,19 @@ def _gather(x: jax.Array, idx: jax.Array) -> jax.Array:
   return x[jnp.arange(x.shape[0])[:, None], idx]
 
 
-def _beam_loop(next_logits, extra: Any, *, batch_size: int, beam_size: int,
-               max_decode_len: int, bos_id: int, eos_id: int, pad_id: int,
-               alpha: float, max_lengths: jax.Array | None):
+def _beam_loop(
+  next_logits,
+  extra: Any,
+  *,
+  batch_size: int,
+  beam_size: int,
+  max_decode_len: int,
+  bos_id: int,
+  eos_id: int,
+  pad_id: int,
+  alpha: float,
+  max_lengths: jax.Array | None,
+):
   """The beam while_loop shared by the cached and uncached variants.
 
   next_logits(step, token int32[B, 1], seqs int32[B, L], extra) -> (logits
@@ -214,20 +259,19 @@ def _beam_loop(next_logits, extra: Any, *, batch_size: int, beam_size: int,
   b, k, seq_len = batch_size, beam_size, max_decode_len
   neg_inf = jnp.float32(-jnp.inf)
   if max_lengths is None:
-    last_step = jnp.full((b,), seq_len, jnp.int32)   # never reached: no forcing
+    last_step = jnp.full((b,), seq_len, jnp.int32)  # never reached: no forcing
   else:
     max_lengths = jnp.asarray(max_lengths, jnp.int32)
     if max_lengths.shape != (b,):
-      raise ValueError(f'max_lengths must have shape ({b},), got '
-                       f'{max_lengths.shape}')
-    last_step = max_lengths - 1          # the step at which only EOS is allowed
+      raise ValueError(f'max_lengths must have shape ({b},), got {max_lengths.shape}')
+    last_step = max_lengths - 1  # the step at which only EOS is allowed
   # Log-probs only decrease, and the penalty grows with length, so an alive
   # beam scores at most its log-prob over the penalty of its longest length.
   best_penalty = length_penalty(jnp.clip(last_step + 1, 1, seq_len), alpha)
 
   def keep_decoding(state):
     step, _, _, alive_logp, _, fin_score, _ = state
-    best_alive = jnp.max(alive_logp, axis=1) / best_penalty             # [b]
+    best_alive = jnp.max(alive_logp, axis=1) / best_penalty  # [b]
     # Decided: beam_size finished hypotheses that no alive beam can beat
     # (with fewer, worst is -inf: only decided once nothing is alive).
     decided = jnp.min(fin_score, axis=1) >= best_alive
@@ -235,10 +279,9 @@ def _beam_loop(next_logits, extra: Any, *, batch_size: int, beam_size: int,
 
   def body(state):
     step, token, alive_seq, alive_logp, fin_seq, fin_score, extra = state
-    logits, extra = next_logits(step, token, alive_seq.reshape(b * k, seq_len),
-                                extra)
+    logits, extra = next_logits(step, token, alive_seq.reshape(b * k, seq_len), extra)
     logp = jax.nn.log_softmax(_mask_pad(logits.astype(jnp.float32), pad_id))
-    logp = logp.reshape(b, k, -1)                                     # [b,k,V]
+    logp = logp.reshape(b, k, -1)  # [b,k,V]
     vocab = logp.shape[-1]
     # A sentence at its max length may only end; EOS keeps its model log-prob.
     forced = (step >= last_step)[:, None, None] & (jnp.arange(vocab) != eos_id)
@@ -250,43 +293,41 @@ def _beam_loop(next_logits, extra: Any, *, batch_size: int, beam_size: int,
     top_logp, top_idx = jax.lax.top_k(cand.reshape(b, k * vocab), 2 * k)
     parent, top_token = top_idx // vocab, (top_idx % vocab).astype(jnp.int32)
     top_seq = jax.lax.dynamic_update_slice_in_dim(
-        _gather(alive_seq, parent), top_token[:, :, None], step, axis=2)
-    ended = top_token == eos_id                                       # [b, 2k]
+      _gather(alive_seq, parent), top_token[:, :, None], step, axis=2
+    )
+    ended = top_token == eos_id  # [b, 2k]
 
     alive_logp, idx = jax.lax.top_k(jnp.where(ended, neg_inf, top_logp), k)
     alive_seq = _gather(top_seq, idx)
-    rows = jnp.arange(b)[:, None] * k + _gather(parent, idx)            # [b, k]
+    rows = jnp.arange(b)[:, None] * k + _gather(parent, idx)  # [b, k]
     extra = _reorder_rows(extra, rows.reshape(b * k))
 
-    new_score = jnp.where(ended, top_logp / length_penalty(step + 1, alpha),
-                          neg_inf)
+    new_score = jnp.where(ended, top_logp / length_penalty(step + 1, alpha), neg_inf)
     # Old finished first: top_k keeps the lower index on ties.
-    fin_score, idx = jax.lax.top_k(
-        jnp.concatenate([fin_score, new_score], axis=1), k)
+    fin_score, idx = jax.lax.top_k(jnp.concatenate([fin_score, new_score], axis=1), k)
     fin_seq = _gather(jnp.concatenate([fin_seq, top_seq], axis=1), idx)
-    token = jax.lax.dynamic_index_in_dim(alive_seq, step, axis=2)     # [b,k,1]
-    return (step + 1, token.reshape(b * k, 1), alive_seq, alive_logp, fin_seq,
-            fin_score, extra)
+    token = jax.lax.dynamic_index_in_dim(alive_seq, step, axis=2)  # [b,k,1]
+    return (step + 1, token.reshape(b * k, 1), alive_seq, alive_logp, fin_seq, fin_score, extra)
 
   init = (
-      jnp.asarray(0, jnp.int32),
-      jnp.full((b * k, 1), bos_id, jnp.int32),
-      jnp.full((b, k, seq_len), pad_id, jnp.int32),                   # alive
-      # Only beam 0 starts alive, so the first step does not pick k copies.
-      jnp.tile(jnp.where(jnp.arange(k) == 0, 0.0, neg_inf), (b, 1)),
-      jnp.full((b, k, seq_len), pad_id, jnp.int32),                   # finished
-      jnp.full((b, k), neg_inf),
-      extra,
+    jnp.asarray(0, jnp.int32),
+    jnp.full((b * k, 1), bos_id, jnp.int32),
+    jnp.full((b, k, seq_len), pad_id, jnp.int32),  # alive
+    # Only beam 0 starts alive, so the first step does not pick k copies.
+    jnp.tile(jnp.where(jnp.arange(k) == 0, 0.0, neg_inf), (b, 1)),
+    jnp.full((b, k, seq_len), pad_id, jnp.int32),  # finished
+    jnp.full((b, k), neg_inf),
+    extra,
   )
   step, _, alive_seq, alive_logp, fin_seq, fin_score, _ = jax.lax.while_loop(
-      keep_decoding, body, init)
+    keep_decoding, body, init
+  )
 
   # Finished hypotheses first; where fewer than k finished (e.g. none by
   # max_decode_len), alive ones fill the rest, scored as if they ended now;
   # slots still empty (fewer than k hypotheses exist) get -inf and pad. Both
   # sets are sorted best first (top_k), empty (-inf) slots last.
-  scores = jnp.concatenate(
-      [fin_score, alive_logp / length_penalty(step, alpha)], axis=1)  # [b, 2k]
+  scores = jnp.concatenate([fin_score, alive_logp / length_penalty(step, alpha)], axis=1)  # [b, 2k]
   seqs = jnp.concatenate([fin_seq, alive_seq], axis=1)
   num_finished = jnp.sum(fin_score > neg_inf, axis=1, keepdims=True)  # [b, 1]
   slot = jnp.arange(k)[None, :]
@@ -296,11 +337,19 @@ def _beam_loop(next_logits, extra: Any, *, batch_size: int, beam_size: int,
   return seqs, scores
 
 
-def beam_search(step_fn: StepFn, cache: Any, *, batch_size: int,
-                beam_size: int, max_decode_len: int, bos_id: int, eos_id: int,
-                pad_id: int = 0, alpha: float = 0.6,
-                max_lengths: jax.Array | None = None
-                ) -> tuple[jax.Array, jax.Array]:
+def beam_search(
+  step_fn: StepFn,
+  cache: Any,
+  *,
+  batch_size: int,
+  beam_size: int,
+  max_decode_len: int,
+  bos_id: int,
+  eos_id: int,
+  pad_id: int = 0,
+  alpha: float = 0.6,
+  max_lengths: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
   """Beam search with an incremental cache and the GNMT length penalty.
 
   Scores are log P(y) / ((5 + |y|) / 6) ** alpha with |y| the number of
@@ -335,17 +384,31 @@ def beam_search(step_fn: StepFn, cache: Any, *, batch_size: int,
   """
   cache = expand_to_beams(cache, beam_size, batch_size)
   return _beam_loop(
-      lambda step, token, seqs, cache: step_fn(token, cache), cache,
-      batch_size=batch_size, beam_size=beam_size, max_decode_len=max_decode_len,
-      bos_id=bos_id, eos_id=eos_id, pad_id=pad_id, alpha=alpha,
-      max_lengths=max_lengths)
+    lambda step, token, seqs, cache: step_fn(token, cache),
+    cache,
+    batch_size=batch_size,
+    beam_size=beam_size,
+    max_decode_len=max_decode_len,
+    bos_id=bos_id,
+    eos_id=eos_id,
+    pad_id=pad_id,
+    alpha=alpha,
+    max_lengths=max_lengths,
+  )
 
 
-def beam_search_uncached(logits_fn: LogitsFn, *, batch_size: int,
-                         beam_size: int, max_decode_len: int, bos_id: int,
-                         eos_id: int, pad_id: int = 0, alpha: float = 0.6,
-                         max_lengths: jax.Array | None = None
-                         ) -> tuple[jax.Array, jax.Array]:
+def beam_search_uncached(
+  logits_fn: LogitsFn,
+  *,
+  batch_size: int,
+  beam_size: int,
+  max_decode_len: int,
+  bos_id: int,
+  eos_id: int,
+  pad_id: int = 0,
+  alpha: float = 0.6,
+  max_lengths: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
   """beam_search by full recomputation of each beam's prefix every step.
 
   logits_fn(target_input_ids int32[B, max_decode_len]) -> float32[B,
@@ -354,15 +417,23 @@ def beam_search_uncached(logits_fn: LogitsFn, *, batch_size: int,
   path must match.
   """
   return _beam_loop(
-      _uncached_next_logits(logits_fn, bos_id), None, batch_size=batch_size,
-      beam_size=beam_size, max_decode_len=max_decode_len, bos_id=bos_id,
-      eos_id=eos_id, pad_id=pad_id, alpha=alpha, max_lengths=max_lengths)
+    _uncached_next_logits(logits_fn, bos_id),
+    None,
+    batch_size=batch_size,
+    beam_size=beam_size,
+    max_decode_len=max_decode_len,
+    bos_id=bos_id,
+    eos_id=eos_id,
+    pad_id=pad_id,
+    alpha=alpha,
+    max_lengths=max_lengths,
+  )
 
 
 # --- Post-processing -----------------------------------------------------------
 
-def strip_after_eos(tokens: np.ndarray, eos_id: int, *,
-                    pad_id: int = 0) -> list[list[int]]:
+
+def strip_after_eos(tokens: np.ndarray, eos_id: int, *, pad_id: int = 0) -> list[list[int]]:
   """Per-row python lists of ids before the first EOS, pads removed.
 
   tokens: int[batch, length] (e.g. a search's output). Used before
@@ -371,6 +442,6 @@ def strip_after_eos(tokens: np.ndarray, eos_id: int, *,
   rows = []
   for row in np.asarray(tokens).tolist():
     if eos_id in row:
-      row = row[:row.index(eos_id)]
+      row = row[: row.index(eos_id)]
     rows.append([t for t in row if t != pad_id])
   return rows

@@ -32,10 +32,10 @@ EXIT_NONFINITE = 3
 
 # Exception type -> exit status of a command (first match wins).
 EXIT_CODES: tuple[tuple[type[BaseException], int], ...] = (
-    (UserInputError, EXIT_USER_ERROR),
-    (FileNotFoundError, EXIT_USER_ERROR),
-    (CorruptCheckpointError, EXIT_USER_ERROR),
-    (NonFiniteError, EXIT_NONFINITE),
+  (UserInputError, EXIT_USER_ERROR),
+  (FileNotFoundError, EXIT_USER_ERROR),
+  (CorruptCheckpointError, EXIT_USER_ERROR),
+  (NonFiniteError, EXIT_NONFINITE),
 )
 
 

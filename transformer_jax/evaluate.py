@@ -18,10 +18,18 @@ def _define_flags():
   flags.DEFINE_string('workdir', None, 'Training workdir.')
   flags.DEFINE_string('src', None, 'Source sentences, one per line.')
   flags.DEFINE_string('ref', None, 'Reference translations, one per line.')
-  flags.DEFINE_string('out', None, 'Where to write the hypotheses (default: a file named '
-                      "after --src, --checkpoint and --beam_size in the workdir).")
-  flags.DEFINE_string('checkpoint', None, "Step number, 'averaged' or 'latest' (default: the "
-                      'averaged checkpoint if current, else the latest).')
+  flags.DEFINE_string(
+    'out',
+    None,
+    'Where to write the hypotheses (default: a file named '
+    'after --src, --checkpoint and --beam_size in the workdir).',
+  )
+  flags.DEFINE_string(
+    'checkpoint',
+    None,
+    "Step number, 'averaged' or 'latest' (default: the "
+    'averaged checkpoint if current, else the latest).',
+  )
   flags.DEFINE_integer('beam_size', 4, 'Beam size; 1 = greedy.')
   flags.DEFINE_float('alpha', 0.6, 'Length penalty exponent.')
   flags.DEFINE_integer('batch_size', 64, 'Sentences decoded together.')
@@ -31,13 +39,21 @@ def _define_flags():
 def main(argv):
   del argv
   result = metrics.evaluate_files(
-      FLAGS.workdir, FLAGS.src, FLAGS.ref, out=FLAGS.out,
-      checkpoint=cli.checkpoint_flag_value(FLAGS.checkpoint), beam_size=FLAGS.beam_size,
-      alpha=FLAGS.alpha, batch_size=FLAGS.batch_size)
+    FLAGS.workdir,
+    FLAGS.src,
+    FLAGS.ref,
+    out=FLAGS.out,
+    checkpoint=cli.checkpoint_flag_value(FLAGS.checkpoint),
+    beam_size=FLAGS.beam_size,
+    alpha=FLAGS.alpha,
+    batch_size=FLAGS.batch_size,
+  )
   print(f'{result["bleu_text"]}\n  signature: {result["bleu_signature"]}')
   print(f'{result["chrf_text"]}\n  signature: {result["chrf_signature"]}')
-  print(f'{result["sentences"]} sentences in {result["seconds"]:.1f}s '
-        f'(beam {FLAGS.beam_size}, alpha {FLAGS.alpha}); hypotheses: {result["hypotheses_file"]}')
+  print(
+    f'{result["sentences"]} sentences in {result["seconds"]:.1f}s '
+    f'(beam {FLAGS.beam_size}, alpha {FLAGS.alpha}); hypotheses: {result["hypotheses_file"]}'
+  )
 
 
 def run():

@@ -52,8 +52,10 @@ def reuse_freed_memory() -> bool:
   # One arena: threads other than the main one otherwise get their own, which serve large
   # blocks by mmap whatever M_MMAP_MAX says. mmap never: large blocks come from the heap.
   # Trim never (-1 disables trimming, mallopt(3)): freed blocks stay mapped for the next step.
-  _applied = all(mallopt(parameter, value) == 1 for parameter, value in
-                 ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, -1)))
+  _applied = all(
+    mallopt(parameter, value) == 1
+    for parameter, value in ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, -1))
+  )
   return _applied
 
 

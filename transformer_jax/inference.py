@@ -20,8 +20,12 @@ import numpy as np
 from absl import logging
 
 from transformer_jax import decode, text_io
-from transformer_jax.checkpointing import (Checkpointer, is_params_checkpoint, read_metadata,
-                                           restore_params_from)
+from transformer_jax.checkpointing import (
+  Checkpointer,
+  is_params_checkpoint,
+  read_metadata,
+  restore_params_from,
+)
 from transformer_jax.config import TransformerConfig
 from transformer_jax.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
 from transformer_jax.decode import strip_after_eos
@@ -29,8 +33,10 @@ from transformer_jax.errors import UserInputError, is_integer, is_number
 from transformer_jax.models import Transformer
 from transformer_jax.workdir import Workdir
 
-def init_cache(model: Transformer, params, encoded: jax.Array, src_ids: jax.Array,
-               max_decode_len: int):
+
+def init_cache(
+  model: Transformer, params, encoded: jax.Array, src_ids: jax.Array, max_decode_len: int
+):
   """Creates the decoding cache: empty self-attention keys/values for `max_decode_len`
   positions and the cross-attention keys/values projected once from the encoder output.
 
@@ -38,13 +44,21 @@ def init_cache(model: Transformer, params, encoded: jax.Array, src_ids: jax.Arra
   computation, so only the cross-attention projections actually run.
   """
   dummy_targets = jnp.zeros((src_ids.shape[0], max_decode_len), jnp.int32)
-  _, variables = model.apply({'params': params}, encoded, src_ids, dummy_targets,
-                             use_cache=True, mutable=['cache'], method=Transformer.decode)
+  _, variables = model.apply(
+    {'params': params},
+    encoded,
+    src_ids,
+    dummy_targets,
+    use_cache=True,
+    mutable=['cache'],
+    method=Transformer.decode,
+  )
   return variables['cache']
 
 
-def greedy_decode(model: Transformer, params, src_ids: jax.Array, *, max_decode_len: int,
-                  use_cache: bool = True) -> jax.Array:
+def greedy_decode(
+  model: Transformer, params, src_ids: jax.Array, *, max_decode_len: int, use_cache: bool = True
+) -> jax.Array:
   """Greedy translation of a batch of source ids [b, s] -> output ids [b, max_decode_len].
 
   Rows end with EOS followed by padding. Call under jit (`max_decode_len`, `use_cache` static).
@@ -55,27 +69,53 @@ def greedy_decode(model: Transformer, params, src_ids: jax.Array, *, max_decode_
     cache = init_cache(model, params, encoded, src_ids, max_decode_len)
 
     def step_fn(token_ids, cache):
-      logits, variables = model.apply({'params': params, 'cache': cache}, encoded, src_ids,
-                                      token_ids, use_cache=True, mutable=['cache'],
-                                      method=Transformer.decode)
+      logits, variables = model.apply(
+        {'params': params, 'cache': cache},
+        encoded,
+        src_ids,
+        token_ids,
+        use_cache=True,
+        mutable=['cache'],
+        method=Transformer.decode,
+      )
       return logits[:, -1], variables['cache']  # [b, v]
 
-    return decode.greedy_search(step_fn, cache, batch_size=batch_size,
-                                max_decode_len=max_decode_len, bos_id=BOS_ID, eos_id=EOS_ID,
-                                pad_id=PAD_ID)
+    return decode.greedy_search(
+      step_fn,
+      cache,
+      batch_size=batch_size,
+      max_decode_len=max_decode_len,
+      bos_id=BOS_ID,
+      eos_id=EOS_ID,
+      pad_id=PAD_ID,
+    )
 
   def logits_fn(target_input_ids):
-    return model.apply({'params': params}, encoded, src_ids, target_input_ids,
-                       method=Transformer.decode)
+    return model.apply(
+      {'params': params}, encoded, src_ids, target_input_ids, method=Transformer.decode
+    )
 
-  return decode.greedy_search_uncached(logits_fn, batch_size=batch_size,
-                                       max_decode_len=max_decode_len, bos_id=BOS_ID,
-                                       eos_id=EOS_ID, pad_id=PAD_ID)
+  return decode.greedy_search_uncached(
+    logits_fn,
+    batch_size=batch_size,
+    max_decode_len=max_decode_len,
+    bos_id=BOS_ID,
+    eos_id=EOS_ID,
+    pad_id=PAD_ID,
+  )
 
 
-def beam_decode(model: Transformer, params, src_ids: jax.Array, *, beam_size: int,
-                alpha: float, max_decode_len: int, max_lengths: jax.Array | None = None,
-                use_cache: bool = True) -> tuple[jax.Array, jax.Array]:
+def beam_decode(
+  model: Transformer,
+  params,
+  src_ids: jax.Array,
+  *,
+  beam_size: int,
+  alpha: float,
+  max_decode_len: int,
+  max_lengths: jax.Array | None = None,
+  use_cache: bool = True,
+) -> tuple[jax.Array, jax.Array]:
   """Beam search: source ids [b, s] -> (ids [b, beam, max_decode_len], scores [b, beam]).
 
   Best hypothesis first; scores are log-probabilities divided by the GNMT length penalty.
@@ -85,23 +125,37 @@ def beam_decode(model: Transformer, params, src_ids: jax.Array, *, beam_size: in
   encoded = model.apply({'params': params}, src_ids, method=Transformer.encode)
   # The decoder runs on batch * beam rows; the source side is the same for every beam.
   beam_encoded, beam_src = decode.expand_to_beams((encoded, src_ids), beam_size, batch_size)
-  common = dict(batch_size=batch_size, beam_size=beam_size, max_decode_len=max_decode_len,
-                bos_id=BOS_ID, eos_id=EOS_ID, pad_id=PAD_ID, alpha=alpha,
-                max_lengths=max_lengths)
+  common = dict(
+    batch_size=batch_size,
+    beam_size=beam_size,
+    max_decode_len=max_decode_len,
+    bos_id=BOS_ID,
+    eos_id=EOS_ID,
+    pad_id=PAD_ID,
+    alpha=alpha,
+    max_lengths=max_lengths,
+  )
   if use_cache:
     cache = init_cache(model, params, encoded, src_ids, max_decode_len)  # beam_search expands.
 
     def step_fn(token_ids, cache):
-      logits, variables = model.apply({'params': params, 'cache': cache}, beam_encoded,
-                                      beam_src, token_ids, use_cache=True, mutable=['cache'],
-                                      method=Transformer.decode)
+      logits, variables = model.apply(
+        {'params': params, 'cache': cache},
+        beam_encoded,
+        beam_src,
+        token_ids,
+        use_cache=True,
+        mutable=['cache'],
+        method=Transformer.decode,
+      )
       return logits[:, -1], variables['cache']
 
     return decode.beam_search(step_fn, cache, **common)
 
   def logits_fn(target_input_ids):
-    return model.apply({'params': params}, beam_encoded, beam_src, target_input_ids,
-                       method=Transformer.decode)
+    return model.apply(
+      {'params': params}, beam_encoded, beam_src, target_input_ids, method=Transformer.decode
+    )
 
   return decode.beam_search_uncached(logits_fn, **common)
 
@@ -126,6 +180,7 @@ class AttentionMaps:
   Tokens are SentencePiece pieces; each side ends with '</s>'. The decoder's query at target
   position i reads target pieces 0..i-1 (and BOS) and predicts target piece i.
   """
+
   source_tokens: list[str]
   target_tokens: list[str]
   encoder_self: np.ndarray  # [layers, heads, source, source]
@@ -147,8 +202,9 @@ class Translator:
   """Translation with a restored model: `.translate(list_of_str) -> list_of_str` (beam search,
   or greedy with beam_size=1)."""
 
-  def __init__(self, model_config: TransformerConfig, params, tokenizer: Tokenizer,
-               batch_size: int = 64):
+  def __init__(
+    self, model_config: TransformerConfig, params, tokenizer: Tokenizer, batch_size: int = 64
+  ):
     check_decoding_options(batch_size=batch_size)
     self.model_config = model_config
     self.model = Transformer(model_config)
@@ -156,18 +212,28 @@ class Translator:
     self.tokenizer = tokenizer
     self.batch_size = batch_size
     self._greedy = jax.jit(
-        lambda params, src, max_decode_len: greedy_decode(
-            self.model, params, src, max_decode_len=max_decode_len),
-        static_argnums=(2,))
+      lambda params, src, max_decode_len: greedy_decode(
+        self.model, params, src, max_decode_len=max_decode_len
+      ),
+      static_argnums=(2,),
+    )
     self._beam = jax.jit(
-        lambda params, src, max_lengths, beam_size, alpha, max_decode_len: beam_decode(
-            self.model, params, src, beam_size=beam_size, alpha=alpha,
-            max_decode_len=max_decode_len, max_lengths=max_lengths)[0][:, 0],
-        static_argnums=(3, 4, 5))
+      lambda params, src, max_lengths, beam_size, alpha, max_decode_len: beam_decode(
+        self.model,
+        params,
+        src,
+        beam_size=beam_size,
+        alpha=alpha,
+        max_decode_len=max_decode_len,
+        max_lengths=max_lengths,
+      )[0][:, 0],
+      static_argnums=(3, 4, 5),
+    )
 
   @classmethod
-  def from_checkpoint(cls, workdir: str, checkpoint: int | str | None = None,
-                      batch_size: int = 64) -> 'Translator':
+  def from_checkpoint(
+    cls, workdir: str, checkpoint: int | str | None = None, batch_size: int = 64
+  ) -> 'Translator':
     """Loads the config, vocabulary and parameters of a workdir.
 
     checkpoint: a step number, 'averaged' (written by `python -m transformer_jax.average`),
@@ -185,31 +251,37 @@ class Translator:
       model_config = model_config.replace(attention_impl='xla')
     tokenizer = Tokenizer.load(workdir.vocab_file)
     if tokenizer.vocab_size != model_config.vocab_size:
-      raise UserInputError(f'{tokenizer.path}: vocabulary has {tokenizer.vocab_size} pieces but '
-                           f'the model in {workdir.config_file} expects {model_config.vocab_size}')
+      raise UserInputError(
+        f'{tokenizer.path}: vocabulary has {tokenizer.vocab_size} pieces but '
+        f'the model in {workdir.config_file} expects {model_config.vocab_size}'
+      )
     model = Transformer(model_config)
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     dummy = jnp.ones((1, 1), jnp.int32)
     abstract = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), dummy, dummy))
     abstract_params = jax.tree_util.tree_map(
-        lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=device),
-        nn.meta.unbox(abstract['params']))
+      lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=device),
+      nn.meta.unbox(abstract['params']),
+    )
     params = _restore(workdir, checkpoint, abstract_params)
     return cls(model_config, params, tokenizer, batch_size)
 
-  def translate(self, sentences: Sequence[str], beam_size: int = 4,
-                alpha: float = 0.6) -> list[str]:
+  def translate(
+    self, sentences: Sequence[str], beam_size: int = 4, alpha: float = 0.6
+  ) -> list[str]:
     """One translation per input sentence, in order. Empty input gives empty output.
 
     beam_size 1 is greedy decoding; otherwise beam search with the GNMT length penalty
     ((5 + len) / 6)^alpha (the paper: beam 4, alpha 0.6). Outputs are at most the source length
-    + 50 tokens and at most the model's max_len, EOS counted on both sides. Sentences are sorted by length into batches and
-    returned in the original order.
+    + 50 tokens and at most the model's max_len, EOS counted on both sides. Sentences are sorted
+    by length into batches and returned in the original order.
     """
     if isinstance(sentences, (str, bytes)):
       # A str is a sequence too: it would be translated character by character.
-      raise TypeError('Translator.translate takes a list of sentences, got a single '
-                      f'{type(sentences).__name__}; pass [sentence]')
+      raise TypeError(
+        'Translator.translate takes a list of sentences, got a single '
+        f'{type(sentences).__name__}; pass [sentence]'
+      )
     check_decoding_options(beam_size, alpha)  # batch_size was checked in __init__.
     max_len = self.model_config.max_len
     encoded: list[list[int] | None] = []
@@ -219,38 +291,43 @@ class Translator:
         continue
       ids = self.tokenizer.encode(sentence)
       if len(ids) + 1 > max_len:
-        logging.warning('sentence %d has %d tokens; truncated to the model maximum %d',
-                        index, len(ids) + 1, max_len)
-        ids = ids[:max_len - 1]
+        logging.warning(
+          'sentence %d has %d tokens; truncated to the model maximum %d',
+          index,
+          len(ids) + 1,
+          max_len,
+        )
+        ids = ids[: max_len - 1]
       encoded.append(ids + [EOS_ID])
     outputs = [''] * len(sentences)
     # Sorting by length keeps padding (and the number of distinct shapes) small.
-    order = sorted((i for i, ids in enumerate(encoded) if ids is not None),
-                   key=lambda i: len(encoded[i]))
+    order = sorted(
+      (i for i, ids in enumerate(encoded) if ids is not None), key=lambda i: len(encoded[i])
+    )
     for start in range(0, len(order), self.batch_size):
-      rows = order[start:start + self.batch_size]
+      rows = order[start : start + self.batch_size]
       source_length = _bucket(max(len(encoded[i]) for i in rows), max_len)
       src = np.full((self.batch_size, source_length), PAD_ID, np.int32)
       max_lengths = np.ones((self.batch_size,), np.int32)
       for row, index in enumerate(rows):
-        src[row, :len(encoded[index])] = encoded[index]
+        src[row, : len(encoded[index])] = encoded[index]
         max_lengths[row] = len(encoded[index]) + _EXTRA_DECODE_LENGTH
       max_decode_len = min(max_len, source_length + _EXTRA_DECODE_LENGTH)
       max_lengths = np.minimum(max_lengths, max_decode_len)
       if beam_size == 1:
         tokens = self._greedy(self.params, src, max_decode_len)
       else:
-        tokens = self._beam(self.params, src, max_lengths, beam_size, float(alpha),
-                            max_decode_len)
+        tokens = self._beam(self.params, src, max_lengths, beam_size, float(alpha), max_decode_len)
       outputs_ids = strip_after_eos(np.asarray(tokens), EOS_ID, pad_id=PAD_ID)
       for row, (index, ids) in enumerate(zip(rows, outputs_ids)):
         # Greedy search runs to the batch's longest cap; each output keeps its own (the
         # cap counts the EOS, as beam search's does).
-        outputs[index] = self.tokenizer.decode(ids[:max_lengths[row] - 1])
+        outputs[index] = self.tokenizer.decode(ids[: max_lengths[row] - 1])
     return outputs
 
-  def attention(self, source: str, target: str | None = None, beam_size: int = 4,
-                alpha: float = 0.6) -> AttentionMaps:
+  def attention(
+    self, source: str, target: str | None = None, beam_size: int = 4, alpha: float = 0.6
+  ) -> AttentionMaps:
     """The model's attention weights for `source` and its translation `target`.
 
     Without `target` the sentence is translated first (beam search, as `translate`), so the
@@ -259,8 +336,8 @@ class Translator:
     if target is None:
       target = self.translate([source], beam_size=beam_size, alpha=alpha)[0]
     max_len = self.model_config.max_len
-    source_ids = (self.tokenizer.encode(source)[:max_len - 1]) + [EOS_ID]
-    target_ids = (self.tokenizer.encode(target)[:max_len - 1]) + [EOS_ID]
+    source_ids = (self.tokenizer.encode(source)[: max_len - 1]) + [EOS_ID]
+    target_ids = (self.tokenizer.encode(target)[: max_len - 1]) + [EOS_ID]
     src = np.asarray([source_ids], np.int32)  # [1, s]
     decoder_inputs = np.asarray([[BOS_ID] + target_ids[:-1]], np.int32)  # [1, t]
     _, state = self._attention_apply(self.params, src, decoder_inputs)
@@ -272,16 +349,20 @@ class Translator:
       return np.asarray(sown, np.float32)[:, 0]
 
     return AttentionMaps(
-        source_tokens=self.tokenizer.pieces(source_ids[:-1]) + ['</s>'],
-        target_tokens=self.tokenizer.pieces(target_ids[:-1]) + ['</s>'],
-        encoder_self=layers_heads('encoder_layers', 'self_attention'),
-        decoder_self=layers_heads('decoder_layers', 'self_attention'),
-        cross=layers_heads('decoder_layers', 'cross_attention'))
+      source_tokens=self.tokenizer.pieces(source_ids[:-1]) + ['</s>'],
+      target_tokens=self.tokenizer.pieces(target_ids[:-1]) + ['</s>'],
+      encoder_self=layers_heads('encoder_layers', 'self_attention'),
+      decoder_self=layers_heads('decoder_layers', 'self_attention'),
+      cross=layers_heads('decoder_layers', 'cross_attention'),
+    )
 
   @functools.cached_property
   def _attention_apply(self):
-    return jax.jit(lambda params, src, tgt_in: self.model.apply(
-        {'params': params}, src, tgt_in, mutable=['intermediates']))
+    return jax.jit(
+      lambda params, src, tgt_in: self.model.apply(
+        {'params': params}, src, tgt_in, mutable=['intermediates']
+      )
+    )
 
 
 def _restore(workdir: Workdir, checkpoint: int | str | None, abstract_params):
@@ -289,25 +370,42 @@ def _restore(workdir: Workdir, checkpoint: int | str | None, abstract_params):
   with Checkpointer(workdir.checkpoints, keep=None, async_save=False) as checkpointer:
     if checkpoint == 'averaged' or (checkpoint is None and is_params_checkpoint(averaged)):
       if not is_params_checkpoint(averaged):
-        raise FileNotFoundError(f'no averaged checkpoint in {averaged}: run '
-                                f'`python -m transformer_jax.average --workdir={workdir.path}`')
+        raise FileNotFoundError(
+          f'no averaged checkpoint in {averaged}: run '
+          f'`python -m transformer_jax.average --workdir={workdir.path}`'
+        )
       made_from = read_metadata(averaged).get('latest_step')
       latest = checkpointer.latest_step()
       if checkpoint == 'averaged' or made_from == latest:
-        logging.info('loading the average of checkpoints %s from %s',
-                     read_metadata(averaged).get('averaged_steps'), averaged)
+        logging.info(
+          'loading the average of checkpoints %s from %s',
+          read_metadata(averaged).get('averaged_steps'),
+          averaged,
+        )
         return restore_params_from(averaged, abstract_params)
-      logging.warning('%s was made up to step %s but the latest checkpoint is %s; loading the '
-                      'latest (rerun transformer_jax.average to refresh it)', averaged,
-                      made_from, latest)
+      logging.warning(
+        '%s was made up to step %s but the latest checkpoint is %s; loading the '
+        'latest (rerun transformer_jax.average to refresh it)',
+        averaged,
+        made_from,
+        latest,
+      )
     step = None if checkpoint in (None, 'latest') else int(checkpoint)
     return checkpointer.restore_params(abstract_params, step)
 
 
-def translate_text(workdir: str, *, checkpoint: int | str | None = None, batch_size: int = 64,
-                   beam_size: int = 4, alpha: float = 0.6, input_path: str | None = None,
-                   output_path: str | None = None, stdin: IO[bytes] | None = None,
-                   stdout: IO[str] | None = None) -> None:
+def translate_text(
+  workdir: str,
+  *,
+  checkpoint: int | str | None = None,
+  batch_size: int = 64,
+  beam_size: int = 4,
+  alpha: float = 0.6,
+  input_path: str | None = None,
+  output_path: str | None = None,
+  stdin: IO[bytes] | None = None,
+  stdout: IO[str] | None = None,
+) -> None:
   """The `translate` command: one translation per input line, in order (empty in, empty out).
 
   Reads `input_path` (or stdin) and writes `output_path` (or stdout). When stdin is a

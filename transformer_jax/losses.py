@@ -6,8 +6,9 @@ import jax
 import jax.numpy as jnp
 
 
-def label_smoothed_cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array,
-                                 label_smoothing: float = 0.1) -> tuple[jax.Array, jax.Array]:
+def label_smoothed_cross_entropy(
+  logits: jax.Array, targets: jax.Array, weights: jax.Array, label_smoothing: float = 0.1
+) -> tuple[jax.Array, jax.Array]:
   """Cross-entropy against the smoothed target distribution q, minus q's entropy.
 
   q puts `1 - label_smoothing` on the target and spreads `label_smoothing` evenly over the
@@ -34,11 +35,13 @@ def label_smoothed_cross_entropy(logits: jax.Array, targets: jax.Array, weights:
   target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
   target_log_prob = target_logit - log_normalizer
   sum_log_probs = jnp.sum(logits, axis=-1) - vocab_size * log_normalizer
-  cross_entropy = -(confidence * target_log_prob
-                    + low_confidence * (sum_log_probs - target_log_prob))
+  cross_entropy = -(
+    confidence * target_log_prob + low_confidence * (sum_log_probs - target_log_prob)
+  )
   # Entropy of q: -sum q log q, with 0 log 0 = 0.
   normalizing_constant = -(
-      confidence * jnp.log(confidence)
-      + (vocab_size - 1) * low_confidence * jnp.log(low_confidence + 1e-20))
+    confidence * jnp.log(confidence)
+    + (vocab_size - 1) * low_confidence * jnp.log(low_confidence + 1e-20)
+  )
   per_token = (cross_entropy - normalizing_constant) * weights
   return jnp.sum(per_token), jnp.sum(weights)

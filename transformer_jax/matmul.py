@@ -50,8 +50,9 @@ _matmul_row_major_grads.defvjp(_matmul_row_major_grads_fwd, _matmul_row_major_gr
 
 def contract(x, kernel, num_in_axes: int):
   """The last `num_in_axes` axes of x with the leading axes of kernel, gradients by autodiff."""
-  return jax.lax.dot_general(x, kernel, ((tuple(range(x.ndim - num_in_axes, x.ndim)),
-                                          tuple(range(num_in_axes))), ((), ())))
+  return jax.lax.dot_general(
+    x, kernel, ((tuple(range(x.ndim - num_in_axes, x.ndim)), tuple(range(num_in_axes))), ((), ()))
+  )
 
 
 def row_major_kernel_grads() -> bool:
@@ -67,7 +68,7 @@ def project(x, kernel, num_in_axes: int):
   """`contract`, with row-major kernel gradients where `row_major_kernel_grads()`."""
   if not row_major_kernel_grads():
     return contract(x, kernel, num_in_axes)
-  batch_shape = x.shape[:x.ndim - num_in_axes]
+  batch_shape = x.shape[: x.ndim - num_in_axes]
   in_size = math.prod(kernel.shape[:num_in_axes])
   out_shape = kernel.shape[num_in_axes:]
   # [..., *in] -> [n, i] and [*in, *out] -> [i, o]: row-major merges, no data movement.

@@ -15,13 +15,13 @@ from absl import logging
 
 
 class MetricWriter:
-
   def __init__(self, logdir: str, enabled: bool | None = None):
     self.enabled = jax.process_index() == 0 if enabled is None else enabled
     self._writer = None
     if self.enabled:
       # Imported lazily: tensorboardX pulls in protobuf machinery nobody else needs.
       from tensorboardX import SummaryWriter
+
       os.makedirs(logdir, exist_ok=True)
       self._writer = SummaryWriter(logdir=logdir)
 
@@ -95,20 +95,26 @@ class TrainingLog:
   def write(self, step: int, skipped_steps: int) -> None:
     totals, self._pending = jax.device_get(self._pending), []
     tokens = sum(float(m['token_count']) for m in totals)
-    loss = sum(float(m['loss_sum']) for m in totals
-               if np.isfinite(m['loss_sum'])) / max(tokens, 1.0)
+    loss = sum(float(m['loss_sum']) for m in totals if np.isfinite(m['loss_sum'])) / max(
+      tokens, 1.0
+    )
     elapsed = max(time.time() - self._window_start, 1e-9)
     steps_per_second = (step - self._window_step) / elapsed
-    scalars = {'train/loss': loss, 'train/learning_rate': float(totals[-1]['learning_rate']),
-               'train/grad_norm': float(totals[-1]['grad_norm']),
-               'train/target_tokens_per_second': tokens / elapsed,
-               'train/steps_per_second': steps_per_second,
-               'train/skipped_steps': float(skipped_steps)}
+    scalars = {
+      'train/loss': loss,
+      'train/learning_rate': float(totals[-1]['learning_rate']),
+      'train/grad_norm': float(totals[-1]['grad_norm']),
+      'train/target_tokens_per_second': tokens / elapsed,
+      'train/steps_per_second': steps_per_second,
+      'train/skipped_steps': float(skipped_steps),
+    }
     self._writer.write_scalars(step, scalars)
     eta = (self._num_train_steps - step) / max(steps_per_second, 1e-9)
-    log(f'step {step}/{self._num_train_steps} | loss {loss:.4f} | '
-        f'lr {scalars["train/learning_rate"]:.2e} | '
-        f'{scalars["train/target_tokens_per_second"]:,.0f} tok/s | '
-        f'{steps_per_second:.2f} steps/s | ETA {format_duration(eta)}'
-        + (f' | {skipped_steps} non-finite steps skipped' if skipped_steps else ''))
+    log(
+      f'step {step}/{self._num_train_steps} | loss {loss:.4f} | '
+      f'lr {scalars["train/learning_rate"]:.2e} | '
+      f'{scalars["train/target_tokens_per_second"]:,.0f} tok/s | '
+      f'{steps_per_second:.2f} steps/s | ETA {format_duration(eta)}'
+      + (f' | {skipped_steps} non-finite steps skipped' if skipped_steps else '')
+    )
     self.restart_clock(step)

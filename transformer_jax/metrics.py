@@ -20,22 +20,35 @@ def score(hypotheses: list[str], references: list[str]) -> dict:
   chrf = sacrebleu.metrics.CHRF()
   bleu_score = bleu.corpus_score(hypotheses, [references])
   chrf_score = chrf.corpus_score(hypotheses, [references])
-  return {'bleu': bleu_score.score, 'chrf': chrf_score.score,
-          'bleu_text': str(bleu_score), 'chrf_text': str(chrf_score),
-          'bleu_signature': str(bleu.get_signature()),
-          'chrf_signature': str(chrf.get_signature())}
+  return {
+    'bleu': bleu_score.score,
+    'chrf': chrf_score.score,
+    'bleu_text': str(bleu_score),
+    'chrf_text': str(chrf_score),
+    'bleu_signature': str(bleu.get_signature()),
+    'chrf_signature': str(chrf.get_signature()),
+  }
 
 
 def translation_metrics(references: list[str], hypotheses: list[str]) -> dict[str, float]:
   """Exact match and sacreBLEU corpus BLEU / chrF of detokenized hypotheses."""
   scores = score(hypotheses, references)
   hits = sum(h == r for h, r in zip(hypotheses, references))
-  return {'exact_match': hits / max(len(references), 1), 'bleu': scores['bleu'],
-          'chrf': scores['chrf']}
+  return {
+    'exact_match': hits / max(len(references), 1),
+    'bleu': scores['bleu'],
+    'chrf': scores['chrf'],
+  }
 
 
-def evaluate(translator: Translator, sources: list[str], references: list[str], *,
-             beam_size: int = 4, alpha: float = 0.6) -> tuple[list[str], dict]:
+def evaluate(
+  translator: Translator,
+  sources: list[str],
+  references: list[str],
+  *,
+  beam_size: int = 4,
+  alpha: float = 0.6,
+) -> tuple[list[str], dict]:
   """(hypotheses, `score` of them plus 'seconds') for aligned sources and references."""
   if len(sources) != len(references):
     raise UserInputError(f'{len(sources)} source lines but {len(references)} reference lines')
@@ -46,9 +59,17 @@ def evaluate(translator: Translator, sources: list[str], references: list[str], 
   return hypotheses, result
 
 
-def evaluate_files(workdir: str, src: str, ref: str, *, out: str | None = None,
-                   checkpoint: int | str | None = None, beam_size: int = 4, alpha: float = 0.6,
-                   batch_size: int = 64) -> dict:
+def evaluate_files(
+  workdir: str,
+  src: str,
+  ref: str,
+  *,
+  out: str | None = None,
+  checkpoint: int | str | None = None,
+  beam_size: int = 4,
+  alpha: float = 0.6,
+  batch_size: int = 64,
+) -> dict:
   """The `evaluate` command: translates `src`, scores it against `ref`, writes the hypotheses
   (to `out`, default in the workdir); returns `score`'s dict plus 'seconds', 'sentences' and
   'hypotheses_file' (the file written)."""
@@ -57,8 +78,7 @@ def evaluate_files(workdir: str, src: str, ref: str, *, out: str | None = None,
   if len(sources) != len(references):
     raise UserInputError(f'{src} has {len(sources)} lines but {ref} has {len(references)}')
   translator = Translator.from_checkpoint(workdir, checkpoint, batch_size)
-  hypotheses, result = evaluate(translator, sources, references, beam_size=beam_size,
-                                alpha=alpha)
+  hypotheses, result = evaluate(translator, sources, references, beam_size=beam_size, alpha=alpha)
   out = out or Workdir(workdir).hypotheses_file(src, checkpoint, beam_size)
   text_io.write_lines(hypotheses, out)
   return dict(result, sentences=len(hypotheses), hypotheses_file=out)

@@ -49,18 +49,21 @@ class Projection(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    in_shape = x.shape[-self.num_in_axes:]
+    in_shape = x.shape[-self.num_in_axes :]
     in_axes = tuple(range(self.num_in_axes))
     out_axes = tuple(range(self.num_in_axes, self.num_in_axes + len(self.features)))
-    init = nn.initializers.variance_scaling(1.0, 'fan_avg', 'uniform', in_axis=in_axes,
-                                            out_axis=out_axes)
-    kernel = self.param('kernel', _logical(init, self.kernel_axes),
-                        (*in_shape, *self.features), jnp.float32)
+    init = nn.initializers.variance_scaling(
+      1.0, 'fan_avg', 'uniform', in_axis=in_axes, out_axis=out_axes
+    )
+    kernel = self.param(
+      'kernel', _logical(init, self.kernel_axes), (*in_shape, *self.features), jnp.float32
+    )
     x, kernel = x.astype(self.dtype), kernel.astype(self.dtype)
     y = matmul.project(x, kernel, self.num_in_axes)
     if self.use_bias:
-      bias = self.param('bias', _logical(_zeros, self.kernel_axes[self.num_in_axes:]),
-                        self.features, jnp.float32)
+      bias = self.param(
+        'bias', _logical(_zeros, self.kernel_axes[self.num_in_axes :]), self.features, jnp.float32
+      )
       y = y + bias.astype(self.dtype)
     return y
 
@@ -132,25 +135,35 @@ class MultiHeadAttention(nn.Module):
   kind: str  # 'self' or 'cross': decides what the cache holds.
 
   @nn.compact
-  def __call__(self, query_inputs, kv_inputs, mask, deterministic: bool,
-               use_cache: bool = False, decode_position=None):
+  def __call__(
+    self,
+    query_inputs,
+    kv_inputs,
+    mask,
+    deterministic: bool,
+    use_cache: bool = False,
+    decode_position=None,
+  ):
     cfg = self.config
     dtype = cfg.compute_dtype
 
     def projection(features, name):
       # No biases in attention projections (as tensor2tensor and Flax's WMT example): a key
       # bias cannot change the softmax, so its gradient is pure rounding noise.
-      return Projection((cfg.num_heads, features), 1, ('embed', 'heads', 'kv'), dtype,
-                        use_bias=False, name=name)
+      return Projection(
+        (cfg.num_heads, features), 1, ('embed', 'heads', 'kv'), dtype, use_bias=False, name=name
+      )
 
     query = projection(cfg.head_qk_dim, 'query')(query_inputs)  # [b, q, h, d_k]
 
     if use_cache and self.kind == 'cross':
       # The projections run only when the cache is created (the init functions below).
-      cross_key = self.variable('cache', 'cross_key',
-                                lambda: projection(cfg.head_qk_dim, 'key')(kv_inputs))
-      cross_value = self.variable('cache', 'cross_value',
-                                  lambda: projection(cfg.head_v_dim, 'value')(kv_inputs))
+      cross_key = self.variable(
+        'cache', 'cross_key', lambda: projection(cfg.head_qk_dim, 'key')(kv_inputs)
+      )
+      cross_value = self.variable(
+        'cache', 'cross_value', lambda: projection(cfg.head_v_dim, 'value')(kv_inputs)
+      )
       key, value = cross_key.value, cross_value.value
     else:
       key = projection(cfg.head_qk_dim, 'key')(kv_inputs)  # [b, k, h, d_k]
@@ -159,21 +172,30 @@ class MultiHeadAttention(nn.Module):
     if use_cache and self.kind == 'self':
       cache_exists = self.has_variable('cache', 'cached_key')
       batch, max_length = query_inputs.shape[0], query_inputs.shape[1]
-      cached_key = self.variable('cache', 'cached_key', jnp.zeros,
-                                 (batch, max_length, cfg.num_heads, cfg.head_qk_dim), key.dtype)
-      cached_value = self.variable('cache', 'cached_value', jnp.zeros,
-                                   (batch, max_length, cfg.num_heads, cfg.head_v_dim),
-                                   value.dtype)
+      cached_key = self.variable(
+        'cache',
+        'cached_key',
+        jnp.zeros,
+        (batch, max_length, cfg.num_heads, cfg.head_qk_dim),
+        key.dtype,
+      )
+      cached_value = self.variable(
+        'cache',
+        'cached_value',
+        jnp.zeros,
+        (batch, max_length, cfg.num_heads, cfg.head_v_dim),
+        value.dtype,
+      )
       if cache_exists:
         # One new position per call: write it at decode_position, attend to positions <= it.
         if query_inputs.shape[1] != 1:
-          raise ValueError('cached decoding takes one target position per call, got '
-                           f'{query_inputs.shape[1]}')
+          raise ValueError(
+            f'cached decoding takes one target position per call, got {query_inputs.shape[1]}'
+          )
         index = decode_position.astype(jnp.int32)
         zero = jnp.zeros((), jnp.int32)
         key = jax.lax.dynamic_update_slice(cached_key.value, key, (zero, index, zero, zero))
-        value = jax.lax.dynamic_update_slice(cached_value.value, value,
-                                             (zero, index, zero, zero))
+        value = jax.lax.dynamic_update_slice(cached_value.value, value, (zero, index, zero, zero))
         cached_key.value, cached_value.value = key, value
         max_length = key.shape[1]
         mask = (jnp.arange(max_length) <= index)[None, None, None, :]  # [1, 1, 1, max_t]
@@ -181,17 +203,22 @@ class MultiHeadAttention(nn.Module):
     if cfg.attention_impl != 'einsum' and not self.is_mutable_collection('intermediates'):
       # The config rules out attention dropout here. Masked-out keys get a large negative
       # logit, as in the einsum path; rows with no key at all (padding queries) are ignored.
-      heads = jax.nn.dot_product_attention(query.astype(dtype), key.astype(dtype),
-                                           value.astype(dtype), mask=mask,
-                                           implementation=cfg.attention_impl)  # [b, q, h, d_v]
+      heads = jax.nn.dot_product_attention(
+        query.astype(dtype),
+        key.astype(dtype),
+        value.astype(dtype),
+        mask=mask,
+        implementation=cfg.attention_impl,
+      )  # [b, q, h, d_v]
     else:
       weights = dot_product_attention_weights(query, key, mask)  # [b, h, q, k]
       self.sow('intermediates', 'attention_weights', weights)
       if cfg.attention_dropout_rate > 0.0 and not deterministic:
         weights = nn.Dropout(cfg.attention_dropout_rate)(weights, deterministic=False)
       heads = jnp.einsum('bhqk,bkhd->bqhd', weights.astype(dtype), value.astype(dtype))
-    return Projection((cfg.d_model,), 2, ('heads', 'kv', 'embed'), dtype, use_bias=False,
-                      name='out')(heads)  # [b, q, m]
+    return Projection(
+      (cfg.d_model,), 2, ('heads', 'kv', 'embed'), dtype, use_bias=False, name='out'
+    )(heads)  # [b, q, m]
 
 
 class FeedForward(nn.Module):
@@ -204,15 +231,18 @@ class FeedForward(nn.Module):
     cfg = self.config
     hidden = Projection((cfg.d_ff,), 1, ('embed', 'mlp'), cfg.compute_dtype, name='wi')(x)
     hidden = nn.relu(hidden)
-    return Projection((cfg.d_model,), 1, ('mlp', 'embed'), cfg.compute_dtype,
-                      name='wo')(hidden)
+    return Projection((cfg.d_model,), 1, ('mlp', 'embed'), cfg.compute_dtype, name='wo')(hidden)
 
 
 def _layer_norm(cfg: TransformerConfig, name: str):
   # Statistics in float32 (Flax upcasts), output in the compute dtype.
-  return nn.LayerNorm(epsilon=cfg.layer_norm_epsilon, dtype=cfg.compute_dtype,
-                      scale_init=_logical(_ones, ('embed',)),
-                      bias_init=_logical(_zeros, ('embed',)), name=name)
+  return nn.LayerNorm(
+    epsilon=cfg.layer_norm_epsilon,
+    dtype=cfg.compute_dtype,
+    scale_init=_logical(_ones, ('embed',)),
+    bias_init=_logical(_zeros, ('embed',)),
+    name=name,
+  )
 
 
 class _Residual(nn.Module):
@@ -238,7 +268,8 @@ class EncoderLayer(nn.Module):
     cfg = self.config
     attention = MultiHeadAttention(cfg, kind='self', name='self_attention')
     x = _Residual(cfg, name='attention_block')(
-        x, lambda y: attention(y, y, mask, deterministic), deterministic)
+      x, lambda y: attention(y, y, mask, deterministic), deterministic
+    )
     x = _Residual(cfg, name='ffn_block')(x, FeedForward(cfg, name='ffn'), deterministic)
     x = nn.with_logical_constraint(x, ('activation_batch', 'activation_length', 'activation_embed'))
     return x, None  # (carry, per-layer output) for nn.scan
@@ -248,40 +279,52 @@ class DecoderLayer(nn.Module):
   config: TransformerConfig
 
   @nn.compact
-  def __call__(self, x, encoded, self_mask, cross_mask, decode_position,
-               deterministic: bool, use_cache: bool):
+  def __call__(
+    self, x, encoded, self_mask, cross_mask, decode_position, deterministic: bool, use_cache: bool
+  ):
     cfg = self.config
     self_attention = MultiHeadAttention(cfg, kind='self', name='self_attention')
     cross_attention = MultiHeadAttention(cfg, kind='cross', name='cross_attention')
     x = _Residual(cfg, name='self_attention_block')(
-        x, lambda y: self_attention(y, y, self_mask, deterministic, use_cache, decode_position),
-        deterministic)
+      x,
+      lambda y: self_attention(y, y, self_mask, deterministic, use_cache, decode_position),
+      deterministic,
+    )
     x = _Residual(cfg, name='cross_attention_block')(
-        x, lambda y: cross_attention(y, encoded, cross_mask, deterministic, use_cache),
-        deterministic)
+      x, lambda y: cross_attention(y, encoded, cross_mask, deterministic, use_cache), deterministic
+    )
     x = _Residual(cfg, name='ffn_block')(x, FeedForward(cfg, name='ffn'), deterministic)
     x = nn.with_logical_constraint(x, ('activation_batch', 'activation_length', 'activation_embed'))
     return x, None
 
 
-def _stacked(layer_class, cfg: TransformerConfig, num_layers: int, num_broadcast_args: int,
-             num_static_args: int, name: str):
+def _stacked(
+  layer_class,
+  cfg: TransformerConfig,
+  num_layers: int,
+  num_broadcast_args: int,
+  num_static_args: int,
+  name: str,
+):
   """N copies of a layer as one scanned module; parameters get a leading 'layers' axis."""
   if cfg.remat:
     # The trailing Python-bool arguments must stay static under remat. Flax counts `self` as
     # argument 0 and the scan carry as argument 1, then the broadcast arguments.
     last = 1 + num_broadcast_args
-    layer_class = nn.remat(layer_class, prevent_cse=False,
-                           static_argnums=tuple(range(last - num_static_args + 1, last + 1)))
-  return nn.scan(
+    layer_class = nn.remat(
       layer_class,
-      # The cache is stacked on axis 1 so every cache array keeps batch as its leading axis,
-      # which is what beam search's batch reshaping expects.
-      variable_axes={'params': 0, 'cache': 1, 'intermediates': 0},
-      split_rngs={'params': True, 'dropout': True},
-      in_axes=(nn.broadcast,) * num_broadcast_args,
-      length=num_layers,
-      metadata_params={nn.PARTITION_NAME: 'layers'},
+      prevent_cse=False,
+      static_argnums=tuple(range(last - num_static_args + 1, last + 1)),
+    )
+  return nn.scan(
+    layer_class,
+    # The cache is stacked on axis 1 so every cache array keeps batch as its leading axis,
+    # which is what beam search's batch reshaping expects.
+    variable_axes={'params': 0, 'cache': 1, 'intermediates': 0},
+    split_rngs={'params': True, 'dropout': True},
+    in_axes=(nn.broadcast,) * num_broadcast_args,
+    length=num_layers,
+    metadata_params={nn.PARTITION_NAME: 'layers'},
   )(cfg, name=name)
 
 
@@ -296,9 +339,11 @@ class Embedder(nn.Module):
     cfg = self.config
     x = self.token_embedding(ids) * jnp.sqrt(cfg.d_model).astype(cfg.compute_dtype)
     if cfg.learned_positions:
-      table = self.param('position_embedding',
-                         _logical(nn.initializers.normal(stddev=cfg.d_model ** -0.5),
-                                  ('length', 'embed')), (cfg.max_len, cfg.d_model))
+      table = self.param(
+        'position_embedding',
+        _logical(nn.initializers.normal(stddev=cfg.d_model**-0.5), ('length', 'embed')),
+        (cfg.max_len, cfg.d_model),
+      )
       x = x + jnp.take(table, positions, axis=0).astype(cfg.compute_dtype)
     else:
       x = x + sinusoidal_positions(positions, cfg.d_model).astype(cfg.compute_dtype)
@@ -308,9 +353,13 @@ class Embedder(nn.Module):
 def _token_embedding(cfg: TransformerConfig, name: str) -> nn.Embed:
   # Normal(0, d_model^-0.5) so that after the sqrt(d_model) scale embeddings have unit variance,
   # matching the scale of the positional encoding (tensor2tensor's choice for shared weights).
-  return nn.Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.compute_dtype,
-                  embedding_init=_logical(nn.initializers.normal(stddev=cfg.d_model ** -0.5),
-                                          ('vocab', 'embed')), name=name)
+  return nn.Embed(
+    cfg.vocab_size,
+    cfg.d_model,
+    dtype=cfg.compute_dtype,
+    embedding_init=_logical(nn.initializers.normal(stddev=cfg.d_model**-0.5), ('vocab', 'embed')),
+    name=name,
+  )
 
 
 class _DecodePosition(nn.Module):
@@ -349,17 +398,32 @@ class Transformer(nn.Module):
     else:
       source_embedding = _token_embedding(cfg, 'source_embedding')
       target_embedding = _token_embedding(cfg, 'target_embedding')
-      self.output_projection = Projection((cfg.vocab_size,), 1, ('embed', 'vocab'),
-                                          cfg.compute_dtype, use_bias=False,
-                                          name='output_projection')
+      self.output_projection = Projection(
+        (cfg.vocab_size,),
+        1,
+        ('embed', 'vocab'),
+        cfg.compute_dtype,
+        use_bias=False,
+        name='output_projection',
+      )
     self.source_embedder = Embedder(cfg, source_embedding, name='source_embedder')
     self.target_embedder = Embedder(cfg, target_embedding, name='target_embedder')
-    self.encoder_layers = _stacked(EncoderLayer, cfg, cfg.num_encoder_layers,
-                                   num_broadcast_args=2, num_static_args=1,
-                                   name='encoder_layers')
-    self.decoder_layers = _stacked(DecoderLayer, cfg, cfg.num_decoder_layers,
-                                   num_broadcast_args=6, num_static_args=2,
-                                   name='decoder_layers')
+    self.encoder_layers = _stacked(
+      EncoderLayer,
+      cfg,
+      cfg.num_encoder_layers,
+      num_broadcast_args=2,
+      num_static_args=1,
+      name='encoder_layers',
+    )
+    self.decoder_layers = _stacked(
+      DecoderLayer,
+      cfg,
+      cfg.num_decoder_layers,
+      num_broadcast_args=6,
+      num_static_args=2,
+      name='decoder_layers',
+    )
     self.decode_position = _DecodePosition(name='decode_position')
     if cfg.pre_norm:
       # Pre-LN leaves the residual stream unnormalised; normalise each stack's output once.
@@ -375,8 +439,11 @@ class Transformer(nn.Module):
     """
     self._check_length(src_ids, 'source')
     if positions is None:
-      positions = (jnp.broadcast_to(jnp.arange(src_ids.shape[1]), src_ids.shape)
-                   if segment_ids is None else segment_positions(segment_ids))
+      positions = (
+        jnp.broadcast_to(jnp.arange(src_ids.shape[1]), src_ids.shape)
+        if segment_ids is None
+        else segment_positions(segment_ids)
+      )
     x = self.source_embedder(src_ids, positions, deterministic)
     mask = padding_mask(src_ids, src_ids)
     if segment_ids is not None:
@@ -386,9 +453,18 @@ class Transformer(nn.Module):
       x = self.encoder_norm(x)
     return x
 
-  def decode(self, encoded, src_ids, tgt_in_ids, *, deterministic: bool = True,
-             use_cache: bool = False, src_segment_ids=None, tgt_segment_ids=None,
-             tgt_positions=None):
+  def decode(
+    self,
+    encoded,
+    src_ids,
+    tgt_in_ids,
+    *,
+    deterministic: bool = True,
+    use_cache: bool = False,
+    src_segment_ids=None,
+    tgt_segment_ids=None,
+    tgt_positions=None,
+  ):
     """Decoder: (encoder output [b, s, m], source ids, target inputs [b, t]) -> logits [b, t, v].
 
     With use_cache=True the first call creates the cache (its target length is the longest
@@ -418,14 +494,18 @@ class Transformer(nn.Module):
       decode_position = None
       positions = tgt_positions
       if positions is None:
-        positions = (jnp.broadcast_to(jnp.arange(tgt_in_ids.shape[1]), tgt_in_ids.shape)
-                     if not packed else segment_positions(tgt_segment_ids))
+        positions = (
+          jnp.broadcast_to(jnp.arange(tgt_in_ids.shape[1]), tgt_in_ids.shape)
+          if not packed
+          else segment_positions(tgt_segment_ids)
+        )
       self_mask = causal_padding_mask(tgt_in_ids)
       if packed:
         self_mask = self_mask & segment_mask(tgt_segment_ids, tgt_segment_ids)
     x = self.target_embedder(tgt_in_ids, positions, deterministic)
-    x, _ = self.decoder_layers(x, encoded, self_mask, cross_mask, decode_position,
-                               deterministic, use_cache)
+    x, _ = self.decoder_layers(
+      x, encoded, self_mask, cross_mask, decode_position, deterministic, use_cache
+    )
     if cfg.pre_norm:
       x = self.decoder_norm(x)
     if cfg.share_embeddings:
@@ -434,28 +514,47 @@ class Transformer(nn.Module):
       logits = self.output_projection(x)
     return logits.astype(jnp.float32)
 
-  def __call__(self, src_ids, tgt_in_ids, *, deterministic: bool = True, src_segment_ids=None,
-               tgt_segment_ids=None, src_positions=None, tgt_positions=None):
+  def __call__(
+    self,
+    src_ids,
+    tgt_in_ids,
+    *,
+    deterministic: bool = True,
+    src_segment_ids=None,
+    tgt_segment_ids=None,
+    src_positions=None,
+    tgt_positions=None,
+  ):
     """Logits [b, t, v]. Packed rows (several examples per row) pass segment ids for both
     sides (and optionally per-example positions); see `encode` and `decode`."""
     _check_segments(src_segment_ids, tgt_segment_ids)
-    encoded = self.encode(src_ids, deterministic=deterministic, segment_ids=src_segment_ids,
-                          positions=src_positions)
-    return self.decode(encoded, src_ids, tgt_in_ids, deterministic=deterministic,
-                       src_segment_ids=src_segment_ids, tgt_segment_ids=tgt_segment_ids,
-                       tgt_positions=tgt_positions)
+    encoded = self.encode(
+      src_ids, deterministic=deterministic, segment_ids=src_segment_ids, positions=src_positions
+    )
+    return self.decode(
+      encoded,
+      src_ids,
+      tgt_in_ids,
+      deterministic=deterministic,
+      src_segment_ids=src_segment_ids,
+      tgt_segment_ids=tgt_segment_ids,
+      tgt_positions=tgt_positions,
+    )
 
   def _check_length(self, ids, what):
     if ids.shape[1] > self.config.max_len:
-      raise ValueError(f'{what} length {ids.shape[1]} exceeds TransformerConfig.max_len='
-                       f'{self.config.max_len}')
+      raise ValueError(
+        f'{what} length {ids.shape[1]} exceeds TransformerConfig.max_len={self.config.max_len}'
+      )
 
 
 def _check_segments(src_segment_ids, tgt_segment_ids) -> bool:
   """Whether the call is packed; segment ids come for both sides or for neither."""
   if (src_segment_ids is None) != (tgt_segment_ids is None):
-    raise ValueError('packed rows need segment ids for both source and target, got only '
-                     + ('source' if tgt_segment_ids is None else 'target'))
+    raise ValueError(
+      'packed rows need segment ids for both source and target, got only '
+      + ('source' if tgt_segment_ids is None else 'target')
+    )
   return src_segment_ids is not None
 
 

@@ -15,15 +15,21 @@ def rsqrt_schedule(d_model: int, warmup_steps: int, scale: float = 1.0) -> optax
 
   def schedule(count):
     step = jnp.asarray(count, jnp.float32) + 1.0
-    return scale * d_model ** -0.5 * jnp.minimum(step ** -0.5, step * warmup_steps ** -1.5)
+    return scale * d_model**-0.5 * jnp.minimum(step**-0.5, step * warmup_steps**-1.5)
 
   return schedule
 
 
-def make_optimizer(*, d_model: int, warmup_steps: int, learning_rate_scale: float = 1.0,
-                   b1: float = 0.9, b2: float = 0.98, eps: float = 1e-9,
-                   grad_clip_norm: float = 0.0) -> tuple[optax.GradientTransformation,
-                                                          optax.Schedule]:
+def make_optimizer(
+  *,
+  d_model: int,
+  warmup_steps: int,
+  learning_rate_scale: float = 1.0,
+  b1: float = 0.9,
+  b2: float = 0.98,
+  eps: float = 1e-9,
+  grad_clip_norm: float = 0.0,
+) -> tuple[optax.GradientTransformation, optax.Schedule]:
   schedule = rsqrt_schedule(d_model, warmup_steps, learning_rate_scale)
   optimizer = optax.adam(schedule, b1=b1, b2=b2, eps=eps)
   if grad_clip_norm > 0:

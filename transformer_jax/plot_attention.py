@@ -18,7 +18,7 @@ FLAGS = flags.FLAGS
 def _define_flags():
   flags.DEFINE_string('workdir', None, 'Training workdir (config, vocabulary, checkpoints).')
   flags.DEFINE_string('text', None, 'The source sentence.')
-  flags.DEFINE_string('target', None, 'Its translation; default: the model\'s own (beam).')
+  flags.DEFINE_string('target', None, "Its translation; default: the model's own (beam).")
   flags.DEFINE_string('out', 'attention.png', 'Image file to write (.png, .pdf, .svg).')
   flags.DEFINE_enum('kind', 'cross', list(attention_plots.KINDS), 'Which attention to draw.')
   flags.DEFINE_list('layers', None, 'Layers to draw, numbered from 1 (default: all).')
@@ -33,14 +33,24 @@ def main(argv):
   try:
     layers = [int(layer) for layer in FLAGS.layers] if FLAGS.layers else None
   except ValueError:
-    raise UserInputError(f'--layers={",".join(FLAGS.layers)}: expected layer numbers like '
-                         '1,6') from None
+    raise UserInputError(
+      f'--layers={",".join(FLAGS.layers)}: expected layer numbers like 1,6'
+    ) from None
   maps, target = attention_plots.plot_translation(
-      FLAGS.workdir, FLAGS.text, FLAGS.out, target=FLAGS.target, kind=FLAGS.kind, layers=layers,
-      checkpoint=cli.checkpoint_flag_value(FLAGS.checkpoint), beam_size=FLAGS.beam_size,
-      alpha=FLAGS.alpha)
-  print(f'{FLAGS.kind} attention, {len(maps.source_tokens)} source x '
-        f'{len(maps.target_tokens)} target pieces -> {FLAGS.out}')
+    FLAGS.workdir,
+    FLAGS.text,
+    FLAGS.out,
+    target=FLAGS.target,
+    kind=FLAGS.kind,
+    layers=layers,
+    checkpoint=cli.checkpoint_flag_value(FLAGS.checkpoint),
+    beam_size=FLAGS.beam_size,
+    alpha=FLAGS.alpha,
+  )
+  print(
+    f'{FLAGS.kind} attention, {len(maps.source_tokens)} source x '
+    f'{len(maps.target_tokens)} target pieces -> {FLAGS.out}'
+  )
   print(f'target{"" if FLAGS.target else " (the model translation)"}: {target}')
 
 

@@ -25,10 +25,16 @@ FLAGS = flags.FLAGS
 def _define_flags():
   flags.DEFINE_string('dataset', None, "tfds name, e.g. 'wmt14_translate/de-en' (name/config).")
   flags.DEFINE_string('data_dir', None, 'Directory (local or gs://) to write the dataset into.')
-  flags.DEFINE_string('manual_dir', None,
-                      'Directory of files a builder asks to be downloaded by hand (rarely needed).')
-  flags.DEFINE_integer('max_examples_per_split', None,
-                       'Prepare only the first N examples of each split (a quick trial).')
+  flags.DEFINE_string(
+    'manual_dir',
+    None,
+    'Directory of files a builder asks to be downloaded by hand (rarely needed).',
+  )
+  flags.DEFINE_integer(
+    'max_examples_per_split',
+    None,
+    'Prepare only the first N examples of each split (a quick trial).',
+  )
   flags.mark_flags_as_required(['dataset', 'data_dir'])
 
 
@@ -38,13 +44,19 @@ def main(argv):
     print(f'{FLAGS.dataset} is already prepared in {FLAGS.data_dir}; nothing to do')
     return
   started = time.perf_counter()
-  info = tfds_prepare.prepare(FLAGS.dataset, FLAGS.data_dir, manual_dir=FLAGS.manual_dir,
-                              max_examples_per_split=FLAGS.max_examples_per_split)
+  info = tfds_prepare.prepare(
+    FLAGS.dataset,
+    FLAGS.data_dir,
+    manual_dir=FLAGS.manual_dir,
+    max_examples_per_split=FLAGS.max_examples_per_split,
+  )
   seconds = time.perf_counter() - started
   total = sum(split.num_examples for split in info.splits.values())
-  print(f'{info.full_name} in {info.data_dir}: '
-        + ', '.join(f'{name} {split.num_examples:,}' for name, split in info.splits.items())
-        + f' examples ({total / max(seconds, 1e-9):,.0f} examples/s over {seconds:.1f} s)')
+  print(
+    f'{info.full_name} in {info.data_dir}: '
+    + ', '.join(f'{name} {split.num_examples:,}' for name, split in info.splits.items())
+    + f' examples ({total / max(seconds, 1e-9):,.0f} examples/s over {seconds:.1f} s)'
+  )
   # The feature names are what config.data.src_lang / tgt_lang must name.
   print('features: ' + ', '.join(info.features.keys()))
 

@@ -18,9 +18,13 @@ import ml_collections
 
 from transformer_jax import sharding
 from transformer_jax.config import TransformerConfig
-from transformer_jax.errors import (UserInputError, check_fraction,
-                                    check_integer_at_least, check_number_at_least,
-                                    check_positive_integer)
+from transformer_jax.errors import (
+  UserInputError,
+  check_fraction,
+  check_integer_at_least,
+  check_number_at_least,
+  check_positive_integer,
+)
 from transformer_jax.workdir import Workdir
 
 BATCHING_MODES = ('fixed', 'tokens', 'packed')
@@ -33,8 +37,16 @@ def model_config_from(config: ml_collections.ConfigDict, vocab_size: int) -> Tra
 
 # Config fields that decide what the parameters and the data order mean: a resumed run must
 # keep them. Everything else (number of steps, intervals, paths, batch size) may change.
-_RESUME_FIXED_FIELDS = ('dataset', 'data.src_lang', 'data.tgt_lang', 'vocab_size',
-                        'vocab_model_type', 'max_source_length', 'max_target_length', 'seed')
+_RESUME_FIXED_FIELDS = (
+  'dataset',
+  'data.src_lang',
+  'data.tgt_lang',
+  'vocab_size',
+  'vocab_model_type',
+  'max_source_length',
+  'max_target_length',
+  'seed',
+)
 
 
 def _resume_fields(config_dict: dict, model: dict) -> dict:
@@ -47,8 +59,9 @@ def _resume_fields(config_dict: dict, model: dict) -> dict:
   return fields
 
 
-def save_run_config(config: ml_collections.ConfigDict, model_config: TransformerConfig,
-                    workdir: Workdir) -> None:
+def save_run_config(
+  config: ml_collections.ConfigDict, model_config: TransformerConfig, workdir: Workdir
+) -> None:
   """Writes the resolved config; on resume, refuses changes to fields the run depends on."""
   path = workdir.config_file
   resolved = {'config': json.loads(config.to_json()), 'model': model_config.to_dict()}
@@ -59,8 +72,10 @@ def save_run_config(config: ml_collections.ConfigDict, model_config: Transformer
     differing = [k for k in after if before.get(k) != after[k]]
     if differing:
       details = ', '.join(f'{k}: {before.get(k)!r} -> {after[k]!r}' for k in differing)
-      raise UserInputError(f'{path}: resuming with changed fields ({details}); use a new '
-                           '--workdir or the original settings')
+      raise UserInputError(
+        f'{path}: resuming with changed fields ({details}); use a new '
+        '--workdir or the original settings'
+      )
   if jax.process_index() == 0:
     workdir.write_run_config(resolved)
 
@@ -82,13 +97,17 @@ def _validate_data(config) -> None:
   for name in ('max_source_length', 'max_target_length', 'vocab_size', 'vocab_max_examples'):
     check_positive_integer(f'config.{name}', config[name])
   if config.dataset == 'text' and not config.data.dir:
-    raise UserInputError('config.dataset=text needs config.data.dir: the directory holding '
-                         f'train.{config.data.src_lang} and train.{config.data.tgt_lang}')
+    raise UserInputError(
+      'config.dataset=text needs config.data.dir: the directory holding '
+      f'train.{config.data.src_lang} and train.{config.data.tgt_lang}'
+    )
   if str(config.data_dir).startswith('gs://'):
     # Without this, riegeli fails deep inside the first read with "open() failed".
-    raise UserInputError(f'config.data_dir={config.data_dir!r}: array_record cannot read from '
-                         'gs:// (google/array_record#120); copy the prepared dataset to local '
-                         'disk (`gcloud storage cp -r`) or mount the bucket with gcsfuse')
+    raise UserInputError(
+      f'config.data_dir={config.data_dir!r}: array_record cannot read from '
+      'gs:// (google/array_record#120); copy the prepared dataset to local '
+      'disk (`gcloud storage cp -r`) or mount the bucket with gcsfuse'
+    )
 
 
 def _validate_model(config) -> None:
@@ -104,15 +123,17 @@ def _validate_model(config) -> None:
   longest = max(config.max_source_length, config.max_target_length)
   if config.model.max_len < longest:
     raise UserInputError(
-        f'config.model.max_len={config.model.max_len} is shorter than max_source_length='
-        f'{config.max_source_length} / max_target_length={config.max_target_length}; '
-        f'set it to at least {longest}')
+      f'config.model.max_len={config.model.max_len} is shorter than max_source_length='
+      f'{config.max_source_length} / max_target_length={config.max_target_length}; '
+      f'set it to at least {longest}'
+    )
 
 
 def _validate_batching(config) -> None:
   if config.batching not in BATCHING_MODES:
-    raise UserInputError("config.batching must be 'fixed', 'tokens' or 'packed', got "
-                         f'{config.batching!r}')
+    raise UserInputError(
+      f"config.batching must be 'fixed', 'tokens' or 'packed', got {config.batching!r}"
+    )
   check_positive_integer('config.per_device_batch_size', config.per_device_batch_size)
   if config.batching != 'fixed':
     check_positive_integer('config.tokens_per_batch', config.tokens_per_batch)
@@ -131,8 +152,14 @@ def _validate_optimiser(config) -> None:
 
 
 def _validate_loop(config) -> None:
-  for name in ('num_train_steps', 'log_every_steps', 'eval_every_steps', 'checkpoint_every_steps',
-               'keep_checkpoints', 'max_consecutive_nonfinite_steps'):
+  for name in (
+    'num_train_steps',
+    'log_every_steps',
+    'eval_every_steps',
+    'checkpoint_every_steps',
+    'keep_checkpoints',
+    'max_consecutive_nonfinite_steps',
+  ):
     check_positive_integer(f'config.{name}', config[name])
   check_integer_at_least('config.eval_decode_examples', config.eval_decode_examples, 0)
 
@@ -150,11 +177,17 @@ def _validate_devices(config) -> None:
   for logical_name, mesh_axes in rules:
     for axis in mesh_axes if isinstance(mesh_axes, tuple) else (mesh_axes,):
       if axis is not None and axis not in mesh.axis_names:
-        raise UserInputError(f'config.logical_axis_rules: {logical_name!r} -> {axis!r} names no '
-                             f'mesh axis (the mesh has {", ".join(mesh.axis_names)})')
+        raise UserInputError(
+          f'config.logical_axis_rules: {logical_name!r} -> {axis!r} names no '
+          f'mesh axis (the mesh has {", ".join(mesh.axis_names)})'
+        )
   if config.eval_batch_size % mesh.devices.size:
-    raise UserInputError(f'config.eval_batch_size={config.eval_batch_size} must be a multiple '
-                         f'of the {mesh.devices.size} devices')
+    raise UserInputError(
+      f'config.eval_batch_size={config.eval_batch_size} must be a multiple '
+      f'of the {mesh.devices.size} devices'
+    )
   if config.model.attention_impl == 'cudnn' and jax.default_backend() != 'gpu':
-    raise UserInputError("config.model.attention_impl='cudnn' needs an NVIDIA GPU; this "
-                         f"process runs on {jax.default_backend()}: use 'einsum' or 'xla'")
+    raise UserInputError(
+      "config.model.attention_impl='cudnn' needs an NVIDIA GPU; this "
+      f"process runs on {jax.default_backend()}: use 'einsum' or 'xla'"
+    )

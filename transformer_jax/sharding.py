@@ -39,18 +39,25 @@ DATA_AXES = ('data', 'fsdp')
 Rules = Sequence[tuple[str, Any]]
 
 
-def create_mesh(mesh_shape: Sequence[int] = (-1, 1, 1), axis_names: Sequence[str] = MESH_AXES,
-                devices: Sequence[jax.Device] | None = None) -> Mesh:
+def create_mesh(
+  mesh_shape: Sequence[int] = (-1, 1, 1),
+  axis_names: Sequence[str] = MESH_AXES,
+  devices: Sequence[jax.Device] | None = None,
+) -> Mesh:
   """A mesh over `devices` (default: all); one -1 in mesh_shape takes the remaining devices."""
   devices = list(devices if devices is not None else jax.devices())
   shape = list(mesh_shape)
   if len(shape) != len(axis_names):
-    raise ValueError(f'mesh_shape {tuple(mesh_shape)} does not match axes {tuple(axis_names)}: '
-                     f'give one size per axis, e.g. {(-1,) + (1,) * (len(axis_names) - 1)}')
+    raise ValueError(
+      f'mesh_shape {tuple(mesh_shape)} does not match axes {tuple(axis_names)}: '
+      f'give one size per axis, e.g. {(-1,) + (1,) * (len(axis_names) - 1)}'
+    )
   if shape.count(-1) > 1:
     raise ValueError(f'mesh_shape {tuple(mesh_shape)} has more than one -1')
-  if any(s != -1 and (isinstance(s, bool) or not isinstance(s, (int, np.integer)) or s < 1)
-         for s in shape):
+  if any(
+    s != -1 and (isinstance(s, bool) or not isinstance(s, (int, np.integer)) or s < 1)
+    for s in shape
+  ):
     raise ValueError(f'mesh_shape {tuple(mesh_shape)}: sizes must be positive integers or -1')
   known = int(np.prod([s for s in shape if s != -1]))
   if -1 in shape:
@@ -58,8 +65,9 @@ def create_mesh(mesh_shape: Sequence[int] = (-1, 1, 1), axis_names: Sequence[str
       raise ValueError(f'mesh_shape {tuple(mesh_shape)} does not divide {len(devices)} devices')
     shape[shape.index(-1)] = len(devices) // known
   if int(np.prod(shape)) != len(devices):
-    raise ValueError(f'mesh_shape {tuple(shape)} needs {int(np.prod(shape))} devices, '
-                     f'have {len(devices)}')
+    raise ValueError(
+      f'mesh_shape {tuple(shape)} needs {int(np.prod(shape))} devices, have {len(devices)}'
+    )
   return Mesh(np.asarray(devices).reshape(shape), tuple(axis_names))
 
 
@@ -98,8 +106,11 @@ def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, PartitionSpec())
 
 
-def fit_spec(spec: PartitionSpec, shape: Sequence[int], mesh_shape: dict[str, int],
-             ) -> tuple[PartitionSpec, list[tuple[int, Any]]]:
+def fit_spec(
+  spec: PartitionSpec,
+  shape: Sequence[int],
+  mesh_shape: dict[str, int],
+) -> tuple[PartitionSpec, list[tuple[int, Any]]]:
   """`spec` made valid for an array of `shape` on a mesh of `mesh_shape` ({axis: size}).
 
   Drops mesh axes of size 1; replaces a dimension's mesh axes by None (replication) when their
@@ -115,8 +126,10 @@ def fit_spec(spec: PartitionSpec, shape: Sequence[int], mesh_shape: dict[str, in
     axes = (axes,) if isinstance(axes, str) else tuple(axes)
     unknown = [a for a in axes if a not in mesh_shape]
     if unknown:
-      raise ValueError(f'logical axis rules name mesh axes {unknown} that the mesh '
-                       f'{tuple(mesh_shape)} does not have')
+      raise ValueError(
+        f'logical axis rules name mesh axes {unknown} that the mesh '
+        f'{tuple(mesh_shape)} does not have'
+      )
     axes = tuple(a for a in axes if mesh_shape[a] > 1)
     split = int(np.prod([mesh_shape[a] for a in axes]))
     if size % split:
@@ -157,12 +170,15 @@ def logical_shardings(abstract_tree: Any, mesh: Mesh, rules: Rules) -> Any:
       fallbacks[key] = fallbacks.get(key, 0) + 1
     return NamedSharding(mesh, spec)
 
-  shardings = jax.tree_util.tree_map(leaf_sharding, abstract_tree,
-                                     is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata))
+  shardings = jax.tree_util.tree_map(
+    leaf_sharding, abstract_tree, is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata)
+  )
   for (name, size, axes), count in sorted(fallbacks.items(), key=str):
     sizes = ' x '.join(f'{a}={mesh_shape[a]}' for a in axes)
-    log(f'sharding: {name!r} of size {size} is not divisible by mesh axes {sizes}; '
-        f'replicated along them instead ({count} arrays)')
+    log(
+      f'sharding: {name!r} of size {size} is not divisible by mesh axes {sizes}; '
+      f'replicated along them instead ({count} arrays)'
+    )
   return shardings
 
 
@@ -170,12 +186,15 @@ def _unbox(tree: Any) -> Any:
   """Boxed values -> plain arrays, without flax's sharding constraints (out_shardings place
   them; a constraint from the raw rules could ask for a split that does not divide)."""
   return jax.tree_util.tree_map(
-      lambda x: x.value if isinstance(x, nn.meta.AxisMetadata) else x, tree,
-      is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata))
+    lambda x: x.value if isinstance(x, nn.meta.AxisMetadata) else x,
+    tree,
+    is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata),
+  )
 
 
-def sharded_init(init_fn: Callable[..., Any], mesh: Mesh, rules: Rules, *args,
-                 shardings: Any = None) -> tuple[Any, Any]:
+def sharded_init(
+  init_fn: Callable[..., Any], mesh: Mesh, rules: Rules, *args, shardings: Any = None
+) -> tuple[Any, Any]:
   """Runs `init_fn(*args)` under jit so its outputs are created already sharded.
 
   `jax.eval_shape` gives the (boxed) shapes without computing anything; the logical names on
@@ -194,11 +213,11 @@ def sharded_init(init_fn: Callable[..., Any], mesh: Mesh, rules: Rules, *args,
 # Environment variables by which a cluster manager says this process is one of several:
 # (name, value -> whether it means more than one process).
 _CLUSTER_ENV = (
-    ('JAX_COORDINATOR_ADDRESS', bool),  # set by hand, or by launchers that speak JAX
-    ('SLURM_NTASKS', lambda value: value.isdigit() and int(value) > 1),
-    ('OMPI_COMM_WORLD_SIZE', lambda value: value.isdigit() and int(value) > 1),
-    ('TPU_WORKER_HOSTNAMES', lambda value: ',' in value),  # Cloud TPU slice of several hosts
-    ('MEGASCALE_COORDINATOR_ADDRESS', bool),  # Cloud TPU multislice
+  ('JAX_COORDINATOR_ADDRESS', bool),  # set by hand, or by launchers that speak JAX
+  ('SLURM_NTASKS', lambda value: value.isdigit() and int(value) > 1),
+  ('OMPI_COMM_WORLD_SIZE', lambda value: value.isdigit() and int(value) > 1),
+  ('TPU_WORKER_HOSTNAMES', lambda value: ',' in value),  # Cloud TPU slice of several hosts
+  ('MEGASCALE_COORDINATOR_ADDRESS', bool),  # Cloud TPU multislice
 )
 
 
@@ -211,9 +230,12 @@ def multiprocess_environment() -> str | None:
   return None
 
 
-def initialize_distributed(coordinator_address: str | None = None,
-                           num_processes: int | None = None, process_id: int | None = None,
-                           force: bool = False) -> bool:
+def initialize_distributed(
+  coordinator_address: str | None = None,
+  num_processes: int | None = None,
+  process_id: int | None = None,
+  force: bool = False,
+) -> bool:
   """Starts JAX's distributed runtime when this is one process of several; True if it did.
 
   Explicit arguments (a multi-GPU host, or processes launched by hand) take precedence;
@@ -224,12 +246,15 @@ def initialize_distributed(coordinator_address: str | None = None,
   if coordinator_address:
     if num_processes is None or process_id is None:
       raise UserInputError('--coordinator_address needs --num_processes and --process_id too')
-    jax.distributed.initialize(coordinator_address, num_processes=num_processes,
-                               process_id=process_id)
+    jax.distributed.initialize(
+      coordinator_address, num_processes=num_processes, process_id=process_id
+    )
   elif force or multiprocess_environment():
     jax.distributed.initialize()
   else:
     return False
-  log(f'process {jax.process_index()} of {jax.process_count()}: '
-      f'{jax.local_device_count()} local of {jax.device_count()} devices')
+  log(
+    f'process {jax.process_index()} of {jax.process_count()}: '
+    f'{jax.local_device_count()} local of {jax.device_count()} devices'
+  )
   return True

@@ -31,7 +31,7 @@ def read_lines(path: str) -> list[str]:
   try:
     text = data.decode('utf-8')
   except UnicodeDecodeError as error:
-    line = data[:error.start].count(b'\n') + 1
+    line = data[: error.start].count(b'\n') + 1
     raise UserInputError(f'{path}:{line}: not valid UTF-8') from None
   lines = text.split('\n')
   if lines and lines[-1] == '':

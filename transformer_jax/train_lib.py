@@ -69,8 +69,15 @@ def compute_metrics(logits, targets, weights, label_smoothing):
   return {'loss_sum': loss_sum, 'token_count': weight_sum, 'correct_tokens': correct}
 
 
-def train_step(state: TrainState, batch: dict, *, model: Transformer, learning_rate_fn,
-               label_smoothing: float, grad_accum_steps: int = 1) -> tuple[TrainState, dict]:
+def train_step(
+  state: TrainState,
+  batch: dict,
+  *,
+  model: Transformer,
+  learning_rate_fn,
+  label_smoothing: float,
+  grad_accum_steps: int = 1,
+) -> tuple[TrainState, dict]:
   """One optimiser step on a batch {'inputs': [b, s], 'targets': [b, t]} (int32, 0 = pad).
 
   A packed batch also has 'inputs_segment_ids', 'targets_segment_ids', 'inputs_positions' and
@@ -86,11 +93,17 @@ def train_step(state: TrainState, batch: dict, *, model: Transformer, learning_r
   def loss_sum_and_metrics(params, micro_batch, rng):
     targets = micro_batch['targets']
     packing = batching.packing_model_args(micro_batch)
-    logits = model.apply({'params': params}, micro_batch['inputs'],
-                         shift_right(targets, packing.get('tgt_segment_ids')),
-                         deterministic=False, rngs={'dropout': rng}, **packing)
-    metrics = compute_metrics(logits, targets, (targets != PAD_ID).astype(jnp.float32),
-                              label_smoothing)
+    logits = model.apply(
+      {'params': params},
+      micro_batch['inputs'],
+      shift_right(targets, packing.get('tgt_segment_ids')),
+      deterministic=False,
+      rngs={'dropout': rng},
+      **packing,
+    )
+    metrics = compute_metrics(
+      logits, targets, (targets != PAD_ID).astype(jnp.float32), label_smoothing
+    )
     return metrics['loss_sum'], metrics
 
   if grad_accum_steps == 1:
@@ -100,43 +113,52 @@ def train_step(state: TrainState, batch: dict, *, model: Transformer, learning_r
     def mean_loss(params):
       loss_sum, metrics = loss_sum_and_metrics(params, batch, dropout_rng)
       return loss_sum / jnp.maximum(metrics['token_count'], 1.0), metrics
+
     grads, metrics = jax.grad(mean_loss, has_aux=True)(state.params)
   else:
     grad_fn = jax.grad(loss_sum_and_metrics, has_aux=True)
     # [b, ...] -> [k, b/k, ...], micro-batch j = rows j, j+k, j+2k, ...: each device's
     # contiguous block of rows holds its share of every micro-batch, so no data moves.
     micro_batches = jax.tree_util.tree_map(
-        lambda x: jnp.moveaxis(x.reshape(x.shape[0] // grad_accum_steps, grad_accum_steps,
-                                         *x.shape[1:]), 1, 0), batch)
+      lambda x: jnp.moveaxis(
+        x.reshape(x.shape[0] // grad_accum_steps, grad_accum_steps, *x.shape[1:]), 1, 0
+      ),
+      batch,
+    )
 
     def accumulate(totals, micro):
       micro_batch, index = micro
-      grads_and_metrics = grad_fn(state.params, micro_batch,
-                                  jax.random.fold_in(dropout_rng, index))
+      grads_and_metrics = grad_fn(state.params, micro_batch, jax.random.fold_in(dropout_rng, index))
       return jax.tree_util.tree_map(jnp.add, totals, grads_and_metrics), None
 
     # Accumulators: gradients like the parameters (and so sharded like them under FSDP).
-    metric_shapes = jax.eval_shape(grad_fn, state.params,
-                                   jax.tree_util.tree_map(lambda x: x[0], micro_batches),
-                                   dropout_rng)[1]
-    zeros = (jax.tree_util.tree_map(jnp.zeros_like, state.params),
-             jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), metric_shapes))
-    (grads, metrics), _ = jax.lax.scan(accumulate, zeros,
-                                       (micro_batches, jnp.arange(grad_accum_steps)))
+    metric_shapes = jax.eval_shape(
+      grad_fn, state.params, jax.tree_util.tree_map(lambda x: x[0], micro_batches), dropout_rng
+    )[1]
+    zeros = (
+      jax.tree_util.tree_map(jnp.zeros_like, state.params),
+      jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), metric_shapes),
+    )
+    (grads, metrics), _ = jax.lax.scan(
+      accumulate, zeros, (micro_batches, jnp.arange(grad_accum_steps))
+    )
     # The gradient of the mean loss over the real tokens of the whole (global) batch.
-    grads = jax.tree_util.tree_map(lambda g: g / jnp.maximum(metrics['token_count'], 1.0),
-                                   grads)
+    grads = jax.tree_util.tree_map(lambda g: g / jnp.maximum(metrics['token_count'], 1.0), grads)
   grad_norm = optax.tree.norm(grads)
   finite = jnp.isfinite(metrics['loss_sum']) & jnp.isfinite(grad_norm)
   updated = state.apply_gradients(grads=grads)
+
   # A NaN/Inf loss or gradient skips the update: parameters and optimiser moments stay as they
   # were (so they are never non-finite), while the step (and so the data and dropout) advances.
-  keep_old = lambda new, old: jnp.where(finite, new, old)
+  def keep_old(new, old):
+    return jnp.where(finite, new, old)
+
   new_state = updated.replace(
-      params=jax.tree_util.tree_map(keep_old, updated.params, state.params),
-      opt_state=jax.tree_util.tree_map(keep_old, updated.opt_state, state.opt_state),
-      skipped_steps=state.skipped_steps + (~finite).astype(jnp.int32),
-      nonfinite_streak=jnp.where(finite, 0, state.nonfinite_streak + 1).astype(jnp.int32))
+    params=jax.tree_util.tree_map(keep_old, updated.params, state.params),
+    opt_state=jax.tree_util.tree_map(keep_old, updated.opt_state, state.opt_state),
+    skipped_steps=state.skipped_steps + (~finite).astype(jnp.int32),
+    nonfinite_streak=jnp.where(finite, 0, state.nonfinite_streak + 1).astype(jnp.int32),
+  )
   metrics['learning_rate'] = learning_rate_fn(state.step)
   metrics['grad_norm'] = grad_norm
   metrics['nonfinite_streak'] = new_state.nonfinite_streak
@@ -147,8 +169,12 @@ def eval_step(params, batch: dict, *, model: Transformer, label_smoothing: float
   targets = batch['targets']
   weights = (targets != PAD_ID).astype(jnp.float32)
   packing = batching.packing_model_args(batch)
-  logits = model.apply({'params': params}, batch['inputs'],
-                       shift_right(targets, packing.get('tgt_segment_ids')), **packing)
+  logits = model.apply(
+    {'params': params},
+    batch['inputs'],
+    shift_right(targets, packing.get('tgt_segment_ids')),
+    **packing,
+  )
   return compute_metrics(logits, targets, weights, label_smoothing)
 
 
@@ -159,57 +185,90 @@ class Trainer:
   fit is a ValueError here.
   """
 
-  def __init__(self, config: ml_collections.ConfigDict, model_config: TransformerConfig,
-               mesh: jax.sharding.Mesh | None = None):
+  def __init__(
+    self,
+    config: ml_collections.ConfigDict,
+    model_config: TransformerConfig,
+    mesh: jax.sharding.Mesh | None = None,
+  ):
     self.config = config
     self.model_config = model_config
     self.model = Transformer(model_config)
     self.mesh = mesh if mesh is not None else sharding.create_mesh(tuple(config.mesh_shape))
     self.rules = sharding.normalize_rules(config.logical_axis_rules)
     self.optimizer, self.learning_rate_fn = make_optimizer(
-        d_model=model_config.d_model, warmup_steps=config.warmup_steps,
-        learning_rate_scale=config.learning_rate_scale, b1=config.adam_b1, b2=config.adam_b2,
-        eps=config.adam_eps, grad_clip_norm=config.grad_clip_norm)
+      d_model=model_config.d_model,
+      warmup_steps=config.warmup_steps,
+      learning_rate_scale=config.learning_rate_scale,
+      b1=config.adam_b1,
+      b2=config.adam_b2,
+      eps=config.adam_eps,
+      grad_clip_norm=config.grad_clip_norm,
+    )
     self.batch_sharding = sharding.batch_sharding(self.mesh)
     abstract = jax.eval_shape(self._init_state, jax.random.PRNGKey(0))
     self.state_shardings = sharding.logical_shardings(abstract, self.mesh, self.rules)
     self.abstract_state = jax.tree_util.tree_map(
-        lambda leaf, s: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=s),
-        nn.meta.unbox(abstract), self.state_shardings)
+      lambda leaf, s: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=s),
+      nn.meta.unbox(abstract),
+      self.state_shardings,
+    )
     replicated = sharding.replicated(self.mesh)
     self.train_step = jax.jit(
-        functools.partial(train_step, model=self.model, learning_rate_fn=self.learning_rate_fn,
-                          label_smoothing=config.label_smoothing,
-                          grad_accum_steps=config.grad_accum_steps),
-        in_shardings=(self.state_shardings, self.batch_sharding),
-        out_shardings=(self.state_shardings, replicated), donate_argnums=(0,))
+      functools.partial(
+        train_step,
+        model=self.model,
+        learning_rate_fn=self.learning_rate_fn,
+        label_smoothing=config.label_smoothing,
+        grad_accum_steps=config.grad_accum_steps,
+      ),
+      in_shardings=(self.state_shardings, self.batch_sharding),
+      out_shardings=(self.state_shardings, replicated),
+      donate_argnums=(0,),
+    )
     self.eval_step = jax.jit(
-        functools.partial(eval_step, model=self.model, label_smoothing=config.label_smoothing),
-        in_shardings=(self.state_shardings.params, self.batch_sharding),
-        out_shardings=replicated)
+      functools.partial(eval_step, model=self.model, label_smoothing=config.label_smoothing),
+      in_shardings=(self.state_shardings.params, self.batch_sharding),
+      out_shardings=replicated,
+    )
     self.all_finite = jax.jit(
-        lambda params: jnp.all(jnp.stack([jnp.all(jnp.isfinite(x))
-                                          for x in jax.tree_util.tree_leaves(params)])),
-        in_shardings=(self.state_shardings.params,), out_shardings=replicated)
+      lambda params: jnp.all(
+        jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(params)])
+      ),
+      in_shardings=(self.state_shardings.params,),
+      out_shardings=replicated,
+    )
     self.greedy_decode = jax.jit(
-        functools.partial(inference.greedy_decode, self.model,
-                          max_decode_len=config.max_target_length),
-        in_shardings=(self.state_shardings.params, self.batch_sharding),
-        out_shardings=replicated)
+      functools.partial(
+        inference.greedy_decode, self.model, max_decode_len=config.max_target_length
+      ),
+      in_shardings=(self.state_shardings.params, self.batch_sharding),
+      out_shardings=replicated,
+    )
 
   def _init_state(self, rng) -> TrainState:
     params_rng, dropout_rng = jax.random.split(rng)
     source = jnp.ones((1, self.config.max_source_length), jnp.int32)
     target = jnp.ones((1, self.config.max_target_length), jnp.int32)
     params = self.model.init({'params': params_rng}, source, target)['params']
-    return TrainState.create(apply_fn=self.model.apply, params=params, tx=self.optimizer,
-                             dropout_rng=dropout_rng, skipped_steps=jnp.zeros((), jnp.int32),
-                             nonfinite_streak=jnp.zeros((), jnp.int32))
+    return TrainState.create(
+      apply_fn=self.model.apply,
+      params=params,
+      tx=self.optimizer,
+      dropout_rng=dropout_rng,
+      skipped_steps=jnp.zeros((), jnp.int32),
+      nonfinite_streak=jnp.zeros((), jnp.int32),
+    )
 
   def init_state(self, seed: int) -> TrainState:
     """Parameters and optimiser state created directly in their shardings."""
-    state, _ = sharding.sharded_init(self._init_state, self.mesh, self.rules,
-                                     jax.random.PRNGKey(seed), shardings=self.state_shardings)
+    state, _ = sharding.sharded_init(
+      self._init_state,
+      self.mesh,
+      self.rules,
+      jax.random.PRNGKey(seed),
+      shardings=self.state_shardings,
+    )
     return state
 
   def global_batch(self, local_batch: dict) -> dict:
@@ -221,16 +280,23 @@ class Trainer:
     local_shards = max(1, sharding.data_parallel_size(self.mesh) // jax.process_count())
     for key, value in local_batch.items():
       if np.shape(value)[0] % local_shards:
-        raise ValueError(f'batch {key!r} has {np.shape(value)[0]} rows, not divisible by the '
-                         f'{local_shards} data-parallel shards of mesh {dict(self.mesh.shape)}')
-    return {key: jax.make_array_from_process_local_data(self.batch_sharding, value)
-            for key, value in local_batch.items()}
+        raise ValueError(
+          f'batch {key!r} has {np.shape(value)[0]} rows, not divisible by the '
+          f'{local_shards} data-parallel shards of mesh {dict(self.mesh.shape)}'
+        )
+    return {
+      key: jax.make_array_from_process_local_data(self.batch_sharding, value)
+      for key, value in local_batch.items()
+    }
 
   def global_batch_from_full(self, full_batch: dict) -> dict:
     """A batch every process holds whole (evaluation) -> global arrays, each device its rows."""
-    return {key: jax.make_array_from_callback(np.shape(value), self.batch_sharding,
-                                              lambda index, value=value: value[index])
-            for key, value in full_batch.items()}
+    return {
+      key: jax.make_array_from_callback(
+        np.shape(value), self.batch_sharding, lambda index, value=value: value[index]
+      )
+      for key, value in full_batch.items()
+    }
 
   def step(self, state, local_batch):
     with jax.set_mesh(self.mesh), nn.logical_axis_rules(self.rules):
@@ -244,8 +310,10 @@ class Trainer:
         totals = metrics if not totals else jax.tree_util.tree_map(jnp.add, totals, metrics)
     totals = jax.device_get(totals)
     count = max(float(totals['token_count']), 1.0)
-    return {'loss': float(totals['loss_sum']) / count,
-            'token_accuracy': float(totals['correct_tokens']) / count}
+    return {
+      'loss': float(totals['loss_sum']) / count,
+      'token_accuracy': float(totals['correct_tokens']) / count,
+    }
 
   def decode_batches(self, params, batches) -> list[list[int]]:
     """Greedy output ids (EOS and padding removed) for every row of every batch."""
@@ -258,15 +326,21 @@ class Trainer:
     return outputs
 
 
-def decode_split(trainer: Trainer, params, source, tokenized: input_pipeline.TokenizedSplit,
-                 tokenizer: Tokenizer, config: ml_collections.ConfigDict,
-                 max_examples: int | None) -> tuple[list[str], list[str], list[str]]:
+def decode_split(
+  trainer: Trainer,
+  params,
+  source,
+  tokenized: input_pipeline.TokenizedSplit,
+  tokenizer: Tokenizer,
+  config: ml_collections.ConfigDict,
+  max_examples: int | None,
+) -> tuple[list[str], list[str], list[str]]:
   """(sources, references, greedy hypotheses) for the first `max_examples` of a split."""
-  batches = input_pipeline.make_eval_batches(tokenized, config,
-                                             batch_size=config.eval_batch_size,
-                                             max_examples=max_examples)
+  batches = input_pipeline.make_eval_batches(
+    tokenized, config, batch_size=config.eval_batch_size, max_examples=max_examples
+  )
   sources, references = input_pipeline.eval_texts(source, config, max_examples)
-  outputs = trainer.decode_batches(params, batches)[:len(references)]  # Drop filler rows.
+  outputs = trainer.decode_batches(params, batches)[: len(references)]  # Drop filler rows.
   return sources, references, [tokenizer.decode(ids) for ids in outputs]
 
 
@@ -307,6 +381,7 @@ class _PreemptionFlag:
   def should_stop(self, step: int) -> bool:
     if self._multiprocess:
       from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+
       return bool(multihost_utils.reached_preemption_sync_point(step))
     return self.signal_name is not None
 
@@ -337,33 +412,45 @@ class _Run:
   def __init__(self, config: ml_collections.ConfigDict, workdir: Workdir):
     self.config = config
     self.sources = input_pipeline.load_data_sources(config, config.data_dir or workdir.data)
-    self.tokenizer = input_pipeline.load_or_train_tokenizer(config, workdir,
-                                                            self.sources[config.train_split])
+    self.tokenizer = input_pipeline.load_or_train_tokenizer(
+      config, workdir, self.sources[config.train_split]
+    )
     self.model_config = model_config_from(config, self.tokenizer.vocab_size)
     save_run_config(config, self.model_config, workdir)
-    self.tokenized = input_pipeline.tokenized_splits(self.sources, self.tokenizer, config,
-                                                     workdir)
+    self.tokenized = input_pipeline.tokenized_splits(self.sources, self.tokenizer, config, workdir)
     self.trainer = Trainer(config, self.model_config)
     self.train_iterator = input_pipeline.make_train_iterator(
-        self.tokenized[config.train_split], config, process_index=jax.process_index(),
-        process_count=jax.process_count(), local_device_count=jax.local_device_count())
+      self.tokenized[config.train_split],
+      config,
+      process_index=jax.process_index(),
+      process_count=jax.process_count(),
+      local_device_count=jax.local_device_count(),
+    )
     self.eval_batches = input_pipeline.make_eval_batches(
-        self.tokenized[config.eval_split], config, batch_size=config.eval_batch_size)
-    self.checkpointer = Checkpointer(workdir.checkpoints, keep=config.keep_checkpoints,
-                                     damaged_directory=workdir.damaged_checkpoints)
+      self.tokenized[config.eval_split], config, batch_size=config.eval_batch_size
+    )
+    self.checkpointer = Checkpointer(
+      workdir.checkpoints,
+      keep=config.keep_checkpoints,
+      damaged_directory=workdir.damaged_checkpoints,
+    )
     self.writer = MetricWriter(workdir.tensorboard)
 
   def restore_or_init(self) -> TrainState:
     """The latest intact checkpoint's state (and input position), else a fresh state."""
     damaged = []
     restored = self.checkpointer.restore_latest_valid(
-        self.trainer.abstract_state,
-        on_error=lambda error: (damaged.append(error), logging.warning(
-            '%s; falling back to the previous checkpoint', error)))
+      self.trainer.abstract_state,
+      on_error=lambda error: (
+        damaged.append(error),
+        logging.warning('%s; falling back to the previous checkpoint', error),
+      ),
+    )
     if restored is None and damaged:
       raise CorruptCheckpointError(
-          f'every checkpoint in {self.checkpointer.directory} was damaged and has been moved '
-          f'aside (newest: {damaged[0]}); rerun to start from scratch, or repair them by hand')
+        f'every checkpoint in {self.checkpointer.directory} was damaged and has been moved '
+        f'aside (newest: {damaged[0]}); rerun to start from scratch, or repair them by hand'
+      )
     if restored is None:
       return self.trainer.init_state(self.config.seed)
     state, data_state, _ = restored
@@ -386,13 +473,22 @@ class _Run:
     _, references, hypotheses = self.decode_split(params, self.config.test_split, None)
     test = metrics.translation_metrics(references, hypotheses)
     self.writer.write_scalars(step, {f'test/{k}': v for k, v in test.items()})
-    log(f'test exact match (greedy, {len(references)} sentences): {test["exact_match"]:.4f}, '
-        f'BLEU {test["bleu"]:.2f}, chrF {test["chrf"]:.2f}')
+    log(
+      f'test exact match (greedy, {len(references)} sentences): {test["exact_match"]:.4f}, '
+      f'BLEU {test["bleu"]:.2f}, chrF {test["chrf"]:.2f}'
+    )
     return {f'test_{k}': v for k, v in test.items()}
 
   def decode_split(self, params, split: str, max_examples: int | None):
-    return decode_split(self.trainer, params, self.sources[split], self.tokenized[split],
-                        self.tokenizer, self.config, max_examples)
+    return decode_split(
+      self.trainer,
+      params,
+      self.sources[split],
+      self.tokenized[split],
+      self.tokenizer,
+      self.config,
+      max_examples,
+    )
 
   def save(self, state: TrainState, step: int) -> None:
     # Skipped updates keep parameters finite; this guards against anything else.
@@ -405,8 +501,7 @@ class _Run:
     self.writer.close()
 
 
-def _train_and_evaluate(config, workdir: Workdir,
-                        preemption: _PreemptionFlag) -> dict[str, float]:
+def _train_and_evaluate(config, workdir: Workdir, preemption: _PreemptionFlag) -> dict[str, float]:
   run = _Run(config, workdir)
   try:
     return _loop(run, preemption, workdir)
@@ -436,18 +531,21 @@ def _loop(run: _Run, preemption: _PreemptionFlag, workdir: Workdir) -> dict[str,
       streak = int(previous_metrics['nonfinite_streak'])
       if streak >= config.max_consecutive_nonfinite_steps:
         raise NonFiniteError(
-            f'loss or gradients were NaN/Inf for {streak} consecutive steps '
-            f'({step - streak}..{step - 1}); stopping. The latest checkpoint '
-            f'({run.checkpointer.latest_step()}) holds finite parameters: lower the learning '
-            'rate or inspect the data before resuming')
+          f'loss or gradients were NaN/Inf for {streak} consecutive steps '
+          f'({step - streak}..{step - 1}); stopping. The latest checkpoint '
+          f'({run.checkpointer.latest_step()}) holds finite parameters: lower the learning '
+          'rate or inspect the data before resuming'
+        )
     previous_metrics = step_metrics
     if _every(step, config.log_every_steps, config.num_train_steps):
       training_log.write(step, int(jax.device_get(state.skipped_steps)))
     if preemption.should_stop(step):
       run.save(state, step)
       run.checkpointer.wait_until_finished()
-      log(f'{preemption.signal_name or "preemption"} received: checkpoint saved at step {step}; '
-          'rerun the same command to resume')
+      log(
+        f'{preemption.signal_name or "preemption"} received: checkpoint saved at step {step}; '
+        'rerun the same command to resume'
+      )
       return {**eval_metrics, 'preempted': 1.0, 'step': float(step)}
     if _every(step, config.eval_every_steps, config.num_train_steps):
       eval_metrics = run.evaluate(state.params, step)

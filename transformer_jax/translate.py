@@ -16,8 +16,12 @@ FLAGS = flags.FLAGS
 
 def _define_flags():
   flags.DEFINE_string('workdir', None, 'Training workdir (config.json, vocab.model, checkpoints).')
-  flags.DEFINE_string('checkpoint', None, "Step number, 'averaged' or 'latest' (default: the "
-                      'averaged checkpoint if current, else the latest).')
+  flags.DEFINE_string(
+    'checkpoint',
+    None,
+    "Step number, 'averaged' or 'latest' (default: the "
+    'averaged checkpoint if current, else the latest).',
+  )
   flags.DEFINE_integer('batch_size', 64, 'Sentences decoded together.')
   flags.DEFINE_integer('beam_size', 4, 'Beam size; 1 = greedy (the paper: 4).')
   flags.DEFINE_float('alpha', 0.6, 'Length penalty exponent ((5+len)/6)^alpha (the paper: 0.6).')
@@ -29,9 +33,14 @@ def _define_flags():
 def main(argv):
   del argv
   inference.translate_text(
-      FLAGS.workdir, checkpoint=cli.checkpoint_flag_value(FLAGS.checkpoint),
-      batch_size=FLAGS.batch_size, beam_size=FLAGS.beam_size, alpha=FLAGS.alpha,
-      input_path=FLAGS.input, output_path=FLAGS.output)
+    FLAGS.workdir,
+    checkpoint=cli.checkpoint_flag_value(FLAGS.checkpoint),
+    batch_size=FLAGS.batch_size,
+    beam_size=FLAGS.beam_size,
+    alpha=FLAGS.alpha,
+    input_path=FLAGS.input,
+    output_path=FLAGS.output,
+  )
 
 
 def run():

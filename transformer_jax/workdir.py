@@ -85,8 +85,9 @@ class Workdir:
     return self._join(_TOKEN_CACHE, f'{dataset_name.replace("/", "_")}-{split}.npz')
 
   def hypotheses_file(self, source_path: str, checkpoint: object, beam_size: int) -> str:
-    return self._join(_HYPOTHESES, f'{os.path.basename(source_path)}.{checkpoint or "default"}'
-                      f'.beam{beam_size}.txt')
+    return self._join(
+      _HYPOTHESES, f'{os.path.basename(source_path)}.{checkpoint or "default"}.beam{beam_size}.txt'
+    )
 
   def check_not_a_file(self) -> None:
     if os.path.exists(self.path) and not os.path.isdir(self.path):
@@ -141,9 +142,11 @@ class WorkdirLock:
       holder = handle.read().strip() or 'another process'
       handle.close()
       if error.errno in (errno.EAGAIN, errno.EACCES):
-        raise UserInputError(f'{os.path.dirname(self.path)} is in use by a running training '
-                             f'process ({holder}); wait for it to finish or use another '
-                             '--workdir') from None
+        raise UserInputError(
+          f'{os.path.dirname(self.path)} is in use by a running training '
+          f'process ({holder}); wait for it to finish or use another '
+          '--workdir'
+        ) from None
       raise
     handle.seek(0)
     handle.truncate()

@@ -20,47 +20,86 @@ FLAGS = flags.FLAGS
 
 def _define_flags():
   cli.define_config_flag(
-      default_config_file(), 'Training config: optimiser/mesh settings of every size and '
-      "the 'tiny' model and batch.", lock_config=False)
+    default_config_file(),
+    "Training config: optimiser/mesh settings of every size and the 'tiny' model and batch.",
+    lock_config=False,
+  )
   defaults = runner.Options()
   flags.DEFINE_list('sizes', list(defaults.sizes), f'Model sizes, some of {", ".join(SIZES)}.')
   flags.DEFINE_list('sections', list(defaults.sections), 'Parts to run: train, decode, pipeline.')
   flags.DEFINE_string('json', '', 'Write the full report as JSON here.')
-  flags.DEFINE_enum('dtype', None, ['float32', 'bfloat16'],
-                    'Compute dtype (default: float32 on CPU, bfloat16 on accelerators).')
+  flags.DEFINE_enum(
+    'dtype',
+    None,
+    ['float32', 'bfloat16'],
+    'Compute dtype (default: float32 on CPU, bfloat16 on accelerators).',
+  )
   flags.DEFINE_float('dropout', None, "Override every size's dropout rates (e.g. 0).")
-  flags.DEFINE_enum('attention_impl', '', ['', 'einsum', 'xla', 'cudnn'],
-                    "Every size's TransformerConfig.attention_impl ('' = its own); 'xla' and "
-                    "'cudnn' also set attention dropout to 0 (those kernels have none).")
-  flags.DEFINE_integer('rows_per_device', 0, "Training batch rows per device for every size "
-                       "(0 = each size's own: tiny/small/base/big 64); accelerators want more.")
+  flags.DEFINE_enum(
+    'attention_impl',
+    '',
+    ['', 'einsum', 'xla', 'cudnn'],
+    "Every size's TransformerConfig.attention_impl ('' = its own); 'xla' and "
+    "'cudnn' also set attention dropout to 0 (those kernels have none).",
+  )
+  flags.DEFINE_integer(
+    'rows_per_device',
+    0,
+    'Training batch rows per device for every size '
+    "(0 = each size's own: tiny/small/base/big 64); accelerators want more.",
+  )
   flags.DEFINE_bool('remat', None, "Every size's TransformerConfig.remat (unset = its own).")
   flags.DEFINE_integer('train_steps', defaults.train_steps, 'Timed training steps per size.')
-  flags.DEFINE_integer('warmup_steps', defaults.warmup_steps,
-                       'Untimed steps after the first (compiling) one.')
-  flags.DEFINE_integer('peak_n', defaults.peak_n,
-                       'Matmul size of the peak measurement (0: 2048 on CPU, 8192 otherwise).')
+  flags.DEFINE_integer(
+    'warmup_steps', defaults.warmup_steps, 'Untimed steps after the first (compiling) one.'
+  )
+  flags.DEFINE_integer(
+    'peak_n',
+    defaults.peak_n,
+    'Matmul size of the peak measurement (0: 2048 on CPU, 8192 otherwise).',
+  )
   flags.DEFINE_integer('peak_repeats', defaults.peak_repeats, 'Timed peak matmuls (best kept).')
   flags.DEFINE_integer('decode_batch_size', defaults.decode_batch_size, 'Sentences per batch.')
-  flags.DEFINE_integer('decode_source_length', defaults.decode_source_length,
-                       'Padded source length of synthetic decoding batches.')
-  flags.DEFINE_integer('decode_length', defaults.decode_length,
-                       'Tokens decoded per sentence by the untrained models.')
-  flags.DEFINE_integer('decode_batches', defaults.decode_batches,
-                       'Timed batches per decoder (after one untimed, compiling call).')
+  flags.DEFINE_integer(
+    'decode_source_length',
+    defaults.decode_source_length,
+    'Padded source length of synthetic decoding batches.',
+  )
+  flags.DEFINE_integer(
+    'decode_length', defaults.decode_length, 'Tokens decoded per sentence by the untrained models.'
+  )
+  flags.DEFINE_integer(
+    'decode_batches',
+    defaults.decode_batches,
+    'Timed batches per decoder (after one untimed, compiling call).',
+  )
   flags.DEFINE_integer('beam_size', defaults.beam_size, 'Beam size of beam search.')
   flags.DEFINE_float('alpha', defaults.alpha, 'Length penalty of beam search.')
-  flags.DEFINE_string('workdir', '', 'A trained default (number-words) workdir: also decode '
-                      'its test sentences with the trained model.')
-  flags.DEFINE_integer('pipeline_examples', defaults.pipeline_examples,
-                       'Synthetic pairs of the input-pipeline benchmark.')
-  flags.DEFINE_integer('pipeline_batches', defaults.pipeline_batches,
-                       'Timed batches per batching mode.')
-  flags.DEFINE_integer('pipeline_max_length', defaults.pipeline_max_length,
-                       'Longest pair (and fixed/packed row length) of the pipeline benchmark.')
-  flags.DEFINE_string('pipeline_size', defaults.pipeline_size,
-                      'Size whose batch budget and step rate the pipeline is compared with '
-                      '(default: small if benchmarked, else the first size).')
+  flags.DEFINE_string(
+    'workdir',
+    '',
+    'A trained default (number-words) workdir: also decode '
+    'its test sentences with the trained model.',
+  )
+  flags.DEFINE_integer(
+    'pipeline_examples',
+    defaults.pipeline_examples,
+    'Synthetic pairs of the input-pipeline benchmark.',
+  )
+  flags.DEFINE_integer(
+    'pipeline_batches', defaults.pipeline_batches, 'Timed batches per batching mode.'
+  )
+  flags.DEFINE_integer(
+    'pipeline_max_length',
+    defaults.pipeline_max_length,
+    'Longest pair (and fixed/packed row length) of the pipeline benchmark.',
+  )
+  flags.DEFINE_string(
+    'pipeline_size',
+    defaults.pipeline_size,
+    'Size whose batch budget and step rate the pipeline is compared with '
+    '(default: small if benchmarked, else the first size).',
+  )
   flags.DEFINE_integer('seed', defaults.seed, 'Seed of parameters and synthetic data.')
 
 
@@ -69,18 +108,35 @@ def main(argv):
   config = cli.loaded_config(FLAGS)
   host_memory.reuse_freed_memory_if_configured(config)  # Before JAX starts threads.
   options = runner.Options(
-      sizes=[s for s in FLAGS.sizes if s], sections=[s for s in FLAGS.sections if s],
-      dtype=FLAGS.dtype or '', dropout=FLAGS.dropout, attention_impl=FLAGS.attention_impl,
-      remat=FLAGS.remat, rows_per_device=FLAGS.rows_per_device, train_steps=FLAGS.train_steps,
-      warmup_steps=FLAGS.warmup_steps, peak_n=FLAGS.peak_n, peak_repeats=FLAGS.peak_repeats,
-      decode_batch_size=FLAGS.decode_batch_size,
-      decode_source_length=FLAGS.decode_source_length, decode_length=FLAGS.decode_length,
-      decode_batches=FLAGS.decode_batches, beam_size=FLAGS.beam_size, alpha=FLAGS.alpha,
-      workdir=FLAGS.workdir, pipeline_examples=FLAGS.pipeline_examples,
-      pipeline_batches=FLAGS.pipeline_batches, pipeline_max_length=FLAGS.pipeline_max_length,
-      pipeline_size=FLAGS.pipeline_size, seed=FLAGS.seed)
-  report = runner.run(config, options, progress=lambda message: print(
-      f'[benchmark] {message}', file=sys.stderr, flush=True))
+    sizes=[s for s in FLAGS.sizes if s],
+    sections=[s for s in FLAGS.sections if s],
+    dtype=FLAGS.dtype or '',
+    dropout=FLAGS.dropout,
+    attention_impl=FLAGS.attention_impl,
+    remat=FLAGS.remat,
+    rows_per_device=FLAGS.rows_per_device,
+    train_steps=FLAGS.train_steps,
+    warmup_steps=FLAGS.warmup_steps,
+    peak_n=FLAGS.peak_n,
+    peak_repeats=FLAGS.peak_repeats,
+    decode_batch_size=FLAGS.decode_batch_size,
+    decode_source_length=FLAGS.decode_source_length,
+    decode_length=FLAGS.decode_length,
+    decode_batches=FLAGS.decode_batches,
+    beam_size=FLAGS.beam_size,
+    alpha=FLAGS.alpha,
+    workdir=FLAGS.workdir,
+    pipeline_examples=FLAGS.pipeline_examples,
+    pipeline_batches=FLAGS.pipeline_batches,
+    pipeline_max_length=FLAGS.pipeline_max_length,
+    pipeline_size=FLAGS.pipeline_size,
+    seed=FLAGS.seed,
+  )
+  report = runner.run(
+    config,
+    options,
+    progress=lambda message: print(f'[benchmark] {message}', file=sys.stderr, flush=True),
+  )
   print(format_report(report))
   if FLAGS.json:
     runner.write_json(report, FLAGS.json)

@@ -57,18 +57,37 @@ def _decoders(model, *, max_decode_len: int, beam_size: int, alpha: float) -> di
   decoders = {}
   for cache in (True, False):
     suffix = 'cached' if cache else 'uncached'
-    decoders[f'greedy_{suffix}'] = jax.jit(functools.partial(
-        inference.greedy_decode, model, max_decode_len=max_decode_len, use_cache=cache))
+    decoders[f'greedy_{suffix}'] = jax.jit(
+      functools.partial(
+        inference.greedy_decode, model, max_decode_len=max_decode_len, use_cache=cache
+      )
+    )
     decoders[f'beam_{suffix}'] = jax.jit(
-        lambda params, src, cache=cache: inference.beam_decode(
-            model, params, src, beam_size=beam_size, alpha=alpha,
-            max_decode_len=max_decode_len, use_cache=cache)[0][:, 0])  # Best beam.
+      lambda params, src, cache=cache: inference.beam_decode(
+        model,
+        params,
+        src,
+        beam_size=beam_size,
+        alpha=alpha,
+        max_decode_len=max_decode_len,
+        use_cache=cache,
+      )[0][:, 0]
+    )  # Best beam.
   return decoders
 
 
-def benchmark_decoding(name: str, model_config: TransformerConfig, params,
-                       sources: list[np.ndarray], *, max_decode_len: int, beam_size: int,
-                       alpha: float, note: str, **extra) -> dict:
+def benchmark_decoding(
+  name: str,
+  model_config: TransformerConfig,
+  params,
+  sources: list[np.ndarray],
+  *,
+  max_decode_len: int,
+  beam_size: int,
+  alpha: float,
+  note: str,
+  **extra,
+) -> dict:
   """Sentences/s and generated tokens/s of each decoder over `sources` (same-shape batches).
 
   The first batch is decoded once untimed (compilation), then every batch is timed.
@@ -76,8 +95,9 @@ def benchmark_decoding(name: str, model_config: TransformerConfig, params,
   model = Transformer(model_config)
   params = jax.device_put(params)
   modes = {}
-  for mode, decoder in _decoders(model, max_decode_len=max_decode_len, beam_size=beam_size,
-                                 alpha=alpha).items():
+  for mode, decoder in _decoders(
+    model, max_decode_len=max_decode_len, beam_size=beam_size, alpha=alpha
+  ).items():
     start = time.perf_counter()
     jax.block_until_ready(decoder(params, sources[0]))
     compile_seconds = time.perf_counter() - start
@@ -90,34 +110,64 @@ def benchmark_decoding(name: str, model_config: TransformerConfig, params,
     outputs = np.concatenate([np.asarray(o) for o in outputs])
     sentences = outputs.shape[0]
     tokens = int((outputs != PAD_ID).sum())  # Every generated token, EOS included.
-    modes[mode] = {'sentences_per_second': sentences / elapsed,
-                   'tokens_per_second': tokens / elapsed,
-                   'mean_output_tokens': tokens / sentences,
-                   'seconds': elapsed, 'first_call_seconds': compile_seconds}
-  speedup = {kind: modes[f'{kind}_cached']['sentences_per_second']
-             / modes[f'{kind}_uncached']['sentences_per_second'] for kind in ('greedy', 'beam')}
-  return {'model': name, 'batch_size': int(sources[0].shape[0]), 'batches': len(sources),
-          'source_length': int(sources[0].shape[1]),
-          'mean_source_tokens': float(np.mean([(s != PAD_ID).sum(1).mean() for s in sources])),
-          'max_decode_len': max_decode_len, 'beam_size': beam_size, 'alpha': alpha,
-          'note': note, 'modes': modes, 'cache_speedup': speedup, **extra}
+    modes[mode] = {
+      'sentences_per_second': sentences / elapsed,
+      'tokens_per_second': tokens / elapsed,
+      'mean_output_tokens': tokens / sentences,
+      'seconds': elapsed,
+      'first_call_seconds': compile_seconds,
+    }
+  speedup = {
+    kind: modes[f'{kind}_cached']['sentences_per_second']
+    / modes[f'{kind}_uncached']['sentences_per_second']
+    for kind in ('greedy', 'beam')
+  }
+  return {
+    'model': name,
+    'batch_size': int(sources[0].shape[0]),
+    'batches': len(sources),
+    'source_length': int(sources[0].shape[1]),
+    'mean_source_tokens': float(np.mean([(s != PAD_ID).sum(1).mean() for s in sources])),
+    'max_decode_len': max_decode_len,
+    'beam_size': beam_size,
+    'alpha': alpha,
+    'note': note,
+    'modes': modes,
+    'cache_speedup': speedup,
+    **extra,
+  }
 
 
-def trained_decoding(workdir: str, *, batch_size: int, batches: int, beam_size: int,
-                     alpha: float) -> dict:
+def trained_decoding(
+  workdir: str, *, batch_size: int, batches: int, beam_size: int, alpha: float
+) -> dict:
   """The trained model of a number-words workdir on the task's test sentences."""
   translator = inference.Translator.from_checkpoint(workdir)
   saved = Workdir(workdir).read_run_config()['config']
   source_length, max_decode_len = saved['max_source_length'], saved['max_target_length']
   numbers = number_words.sample_numbers('test', batch_size * batches, seed=0)
   sentences = [number_words.english_words(n) for n in numbers]
-  ids = [translator.tokenizer.encode(s)[:source_length - 1] + [EOS_ID] for s in sentences]
-  sources = [input_pipeline.pad_batch(
-      [{'inputs': np.asarray(i, np.int32), 'targets': np.zeros((0,), np.int32)}
-       for i in ids[start:start + batch_size]], source_length, 1)['inputs']
-             for start in range(0, len(ids), batch_size)]
+  ids = [translator.tokenizer.encode(s)[: source_length - 1] + [EOS_ID] for s in sentences]
+  sources = [
+    input_pipeline.pad_batch(
+      [
+        {'inputs': np.asarray(i, np.int32), 'targets': np.zeros((0,), np.int32)}
+        for i in ids[start : start + batch_size]
+      ],
+      source_length,
+      1,
+    )['inputs']
+    for start in range(0, len(ids), batch_size)
+  ]
   return benchmark_decoding(
-      f'trained:{os.path.basename(os.path.normpath(workdir))}', translator.model_config,
-      translator.params, sources, max_decode_len=max_decode_len, beam_size=beam_size,
-      alpha=alpha, note=f'trained model of {workdir}, number-words test sentences, stops at EOS',
-      trained=True, eos_suppressed=False)
+    f'trained:{os.path.basename(os.path.normpath(workdir))}',
+    translator.model_config,
+    translator.params,
+    sources,
+    max_decode_len=max_decode_len,
+    beam_size=beam_size,
+    alpha=alpha,
+    note=f'trained model of {workdir}, number-words test sentences, stops at EOS',
+    trained=True,
+    eos_suppressed=False,
+  )

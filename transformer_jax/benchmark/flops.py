@@ -29,14 +29,16 @@ import numpy as np
 from transformer_jax.config import TransformerConfig
 
 FLOPS_FORMULA = (
-    '6 x ((P_enc + P_xkv) x S + P_dec x T + d_model x V x T) + 6 x h x (d_k + d_v) x sum_rows '
-    '[N_enc x s^2 + N_dec x (t^2 + t x s)]; P_* = matmul parameters (attention projections, '
-    'FFN kernels; P_xkv = decoder cross-attention key/value, applied to source tokens), '
-    'd_model x V = output projection, S/T = source/target tokens; padded lengths '
-    'for flops_per_step (hardware work), real lengths for useful_flops_per_step')
+  '6 x ((P_enc + P_xkv) x S + P_dec x T + d_model x V x T) + 6 x h x (d_k + d_v) x sum_rows '
+  '[N_enc x s^2 + N_dec x (t^2 + t x s)]; P_* = matmul parameters (attention projections, '
+  'FFN kernels; P_xkv = decoder cross-attention key/value, applied to source tokens), '
+  'd_model x V = output projection, S/T = source/target tokens; padded lengths '
+  'for flops_per_step (hardware work), real lengths for useful_flops_per_step'
+)
 
 
 # ------------------------------------------------------------------------------ FLOPs --
+
 
 def matmul_params(cfg: TransformerConfig) -> dict[str, int]:
   """Parameters used as matrix-product weights: per stack and the output projection.
@@ -50,14 +52,17 @@ def matmul_params(cfg: TransformerConfig) -> dict[str, int]:
   attention = d * h * qk * 2 + d * h * v + h * v * d  # query, key, value, out.
   cross_kv = d * h * qk + d * h * v
   ffn = 2 * d * cfg.d_ff
-  return {'encoder': cfg.num_encoder_layers * (attention + ffn),
-          'decoder': cfg.num_decoder_layers * (2 * attention - cross_kv + ffn),
-          'decoder_cross_kv': cfg.num_decoder_layers * cross_kv,
-          'output': d * cfg.vocab_size}
+  return {
+    'encoder': cfg.num_encoder_layers * (attention + ffn),
+    'decoder': cfg.num_decoder_layers * (2 * attention - cross_kv + ffn),
+    'decoder_cross_kv': cfg.num_decoder_layers * cross_kv,
+    'output': d * cfg.vocab_size,
+  }
 
 
-def training_flops(cfg: TransformerConfig, source_lengths: Sequence[int],
-                   target_lengths: Sequence[int]) -> dict[str, float]:
+def training_flops(
+  cfg: TransformerConfig, source_lengths: Sequence[int], target_lengths: Sequence[int]
+) -> dict[str, float]:
   """Model FLOPs of one training step (forward + backward) on rows of the given lengths.
 
   Pass the padded lengths for the work the hardware does, the real lengths for useful work.
@@ -65,16 +70,20 @@ def training_flops(cfg: TransformerConfig, source_lengths: Sequence[int],
   s = np.asarray(source_lengths, np.float64)
   t = np.asarray(target_lengths, np.float64)
   p = matmul_params(cfg)
-  dense = 6.0 * ((p['encoder'] + p['decoder_cross_kv']) * s.sum()
-                 + (p['decoder'] + p['output']) * t.sum())
+  dense = 6.0 * (
+    (p['encoder'] + p['decoder_cross_kv']) * s.sum() + (p['decoder'] + p['output']) * t.sum()
+  )
   per_score = cfg.num_heads * (cfg.head_qk_dim + cfg.head_v_dim)  # FLOPs/2 per (q, k) pair.
-  attention = 6.0 * per_score * (cfg.num_encoder_layers * (s * s).sum()
-                                 + cfg.num_decoder_layers * (t * t + t * s).sum())
-  return {'dense': float(dense), 'attention': float(attention),
-          'total': float(dense + attention)}
+  attention = (
+    6.0
+    * per_score
+    * (cfg.num_encoder_layers * (s * s).sum() + cfg.num_decoder_layers * (t * t + t * s).sum())
+  )
+  return {'dense': float(dense), 'attention': float(attention), 'total': float(dense + attention)}
 
 
 # ------------------------------------------------------------------------------- Peak --
+
 
 class PeakTimer:
   """Times an n x n @ n x n product in `dtype` on one device; compiled once, timed on demand."""
@@ -85,8 +94,8 @@ class PeakTimer:
     self._dot = jax.jit(jnp.dot)
     keys = jax.random.split(jax.random.PRNGKey(0))
     self._a, self._b = (
-        jax.device_put(jax.random.normal(k, (n, n), jnp.float32).astype(dtype), device)
-        for k in keys)
+      jax.device_put(jax.random.normal(k, (n, n), jnp.float32).astype(dtype), device) for k in keys
+    )
     jax.block_until_ready(self._dot(self._a, self._b))  # Compile and warm up.
 
   def measure(self, repeats: int) -> dict:
@@ -97,8 +106,14 @@ class PeakTimer:
       jax.block_until_ready(self._dot(self._a, self._b))
       times.append(time.perf_counter() - start)
     best = min(times)
-    return {'n': self.n, 'dtype': self.dtype, 'repeats': len(times), 'best_seconds': best,
-            'flops': 2.0 * self.n ** 3, 'flops_per_second': 2.0 * self.n ** 3 / best}
+    return {
+      'n': self.n,
+      'dtype': self.dtype,
+      'repeats': len(times),
+      'best_seconds': best,
+      'flops': 2.0 * self.n**3,
+      'flops_per_second': 2.0 * self.n**3 / best,
+    }
 
 
 def measure_peak(n: int, dtype: str, repeats: int, device: jax.Device | None = None) -> dict:

@@ -23,8 +23,9 @@ _FIRST_TOKEN_ID = max(PAD_ID, EOS_ID, BOS_ID, UNK_ID) + 1
 _PIPELINE_WARMUP_BATCHES = 16
 
 
-def synthetic_split(num_examples: int, vocab_size: int, max_length: int,
-                    seed: int = 0) -> input_pipeline.TokenizedSplit:
+def synthetic_split(
+  num_examples: int, vocab_size: int, max_length: int, seed: int = 0
+) -> input_pipeline.TokenizedSplit:
   """Multi30k-like pairs: source ~15 +- 5 tokens (EOS included), target ~1.05x the source."""
   rng = np.random.default_rng(seed)
   source = np.clip(np.rint(rng.normal(15.0, 5.0, num_examples)), 3, max_length).astype(np.int64)
@@ -60,14 +61,27 @@ def _time_iterator(iterator, num_batches: int) -> dict:
       real += int((batch[side] != PAD_ID).sum())
       padded += batch[side].size
   elapsed = time.perf_counter() - start
-  return {'examples_per_second': examples / elapsed, 'batches_per_second': num_batches / elapsed,
-          'examples_per_batch': examples / num_batches, 'padding_fraction': 1.0 - real / padded,
-          'first_batch_seconds': first_seconds, 'timed_batches': num_batches}
+  return {
+    'examples_per_second': examples / elapsed,
+    'batches_per_second': num_batches / elapsed,
+    'examples_per_batch': examples / num_batches,
+    'padding_fraction': 1.0 - real / padded,
+    'first_batch_seconds': first_seconds,
+    'timed_batches': num_batches,
+  }
 
 
-def benchmark_pipeline(*, num_examples: int, max_length: int, tokens_per_batch: int,
-                       num_batches: int, train_steps_per_second: float | None,
-                       vocab_size: int, size: str, seed: int = 0) -> dict:
+def benchmark_pipeline(
+  *,
+  num_examples: int,
+  max_length: int,
+  tokens_per_batch: int,
+  num_batches: int,
+  train_steps_per_second: float | None,
+  vocab_size: int,
+  size: str,
+  seed: int = 0,
+) -> dict:
   """Examples/s and padding of each batching mode at the same padded-token budget per batch.
 
   fixed: tokens_per_batch // max_length pairs padded to max_length; tokens: length buckets of
@@ -76,16 +90,21 @@ def benchmark_pipeline(*, num_examples: int, max_length: int, tokens_per_batch: 
   same padded-token budget costs about the same whatever the mode).
   """
   split = synthetic_split(num_examples, vocab_size, max_length, seed)
-  config = ml_collections.ConfigDict({'max_source_length': max_length,
-                                      'max_target_length': max_length})
+  config = ml_collections.ConfigDict(
+    {'max_source_length': max_length, 'max_target_length': max_length}
+  )
   fixed_rows = max(1, tokens_per_batch // max_length)
   iterators = {
-      'fixed': lambda: (input_pipeline.make_fixed_iterator(
-          split, config, batch_size=fixed_rows, seed=seed), None),
-      'tokens': lambda: batching.make_token_budget_iterator(
-          split, tokens_per_batch=tokens_per_batch, max_length=max_length, seed=seed),
-      'packed': lambda: batching.make_packed_iterator(
-          split, tokens_per_batch=tokens_per_batch, length=max_length, seed=seed),
+    'fixed': lambda: (
+      input_pipeline.make_fixed_iterator(split, config, batch_size=fixed_rows, seed=seed),
+      None,
+    ),
+    'tokens': lambda: batching.make_token_budget_iterator(
+      split, tokens_per_batch=tokens_per_batch, max_length=max_length, seed=seed
+    ),
+    'packed': lambda: batching.make_packed_iterator(
+      split, tokens_per_batch=tokens_per_batch, length=max_length, seed=seed
+    ),
   }
   modes = {}
   for mode in BATCHING_MODES:
@@ -99,8 +118,14 @@ def benchmark_pipeline(*, num_examples: int, max_length: int, tokens_per_batch: 
       result['ratio_to_training'] = result['examples_per_second'] / required
     modes[mode] = result
     del iterator
-  return {'size': size, 'examples': num_examples, 'max_length': max_length,
-          'tokens_per_batch': tokens_per_batch, 'fixed_rows': fixed_rows,
-          'mean_source_tokens': float(split.lengths()[0].mean()),
-          'mean_target_tokens': float(split.lengths()[1].mean()),
-          'train_steps_per_second': train_steps_per_second, 'modes': modes}
+  return {
+    'size': size,
+    'examples': num_examples,
+    'max_length': max_length,
+    'tokens_per_batch': tokens_per_batch,
+    'fixed_rows': fixed_rows,
+    'mean_source_tokens': float(split.lengths()[0].mean()),
+    'mean_target_tokens': float(split.lengths()[1].mean()),
+    'train_steps_per_second': train_steps_per_second,
+    'modes': modes,
+  }

@@ -18,63 +18,121 @@ def _si(value: float | None, unit: str = '') -> str:
 
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-  widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
-            for i, h in enumerate(headers)]
-  line = lambda cells: '  '.join(c.rjust(w) for c, w in zip(cells, widths))
+  widths = [
+    max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)
+  ]
+
+  def line(cells):
+    return '  '.join(c.rjust(w) for c, w in zip(cells, widths))
+
   return '\n'.join([line(headers), line(['-' * w for w in widths])] + [line(r) for r in rows])
 
 
 def format_report(report: dict) -> str:
   m, peak = report['machine'], report['peak']
-  out = [f'machine: {m["device_count"]} x {m["device_kind"]} ({m["platform"]}), '
-         f'{m["cpu_count"]} CPUs, jax {m["jax"]}, {m["date"]}',
-         f'peak: {peak["n"]}x{peak["n"]} {peak["dtype"]} matmul: '
-         f'{_si(peak["flops_per_second"], "FLOP/s")} per device (the fastest in the run; '
-         f'best of {peak["repeats"]} at the start: '
-         f'{_si(peak.get("initial_flops_per_second", peak["flops_per_second"]), "FLOP/s")})',
-         '']
+  out = [
+    f'machine: {m["device_count"]} x {m["device_kind"]} ({m["platform"]}), '
+    f'{m["cpu_count"]} CPUs, jax {m["jax"]}, {m["date"]}',
+    f'peak: {peak["n"]}x{peak["n"]} {peak["dtype"]} matmul: '
+    f'{_si(peak["flops_per_second"], "FLOP/s")} per device (the fastest in the run; '
+    f'best of {peak["repeats"]} at the start: '
+    f'{_si(peak.get("initial_flops_per_second", peak["flops_per_second"]), "FLOP/s")})',
+    '',
+  ]
   if report.get('training'):
-    out += ['training (FLOPs: ' + FLOPS_FORMULA + ')', _table(
-        ['size', 'params', 'batch', 'tgt tok/s', 'FLOPs/step', 'FLOP/s', 'MFU', 'useful MFU',
-         'MFU med/best', 'MFU paired', 'step s', 'first step s', 'compile s', 'peak mem',
-         'XLA step mem'],
-        [[r['size'], _si(r['params']), f'{r["batch_rows"]}x{r["source_length"]}/'
-          f'{r["target_length"]}', _si(r['target_tokens_per_second']),
-          _si(r['flops_per_step']), _si(r['achieved_flops_per_second']), f'{r["mfu"]:.1%}',
-          f'{r["useful_mfu"]:.1%}',
-          f'{r["mfu_median_step"]:.1%}/{r["mfu_best_step"]:.1%}',
-          '-' if r.get('mfu_paired_median') is None else f'{r["mfu_paired_median"]:.1%}',
-          f'{r["step_seconds"]:.3f}',
-          f'{r["first_step_seconds"]:.1f}', f'{r["compile_seconds"]:.1f}',
-          _si(r['peak_memory_bytes'], 'B'),
-          _si(r.get('xla_step_memory_bytes'), 'B')] for r in report['training']]), '']
+    out += [
+      'training (FLOPs: ' + FLOPS_FORMULA + ')',
+      _table(
+        [
+          'size',
+          'params',
+          'batch',
+          'tgt tok/s',
+          'FLOPs/step',
+          'FLOP/s',
+          'MFU',
+          'useful MFU',
+          'MFU med/best',
+          'MFU paired',
+          'step s',
+          'first step s',
+          'compile s',
+          'peak mem',
+          'XLA step mem',
+        ],
+        [
+          [
+            r['size'],
+            _si(r['params']),
+            f'{r["batch_rows"]}x{r["source_length"]}/{r["target_length"]}',
+            _si(r['target_tokens_per_second']),
+            _si(r['flops_per_step']),
+            _si(r['achieved_flops_per_second']),
+            f'{r["mfu"]:.1%}',
+            f'{r["useful_mfu"]:.1%}',
+            f'{r["mfu_median_step"]:.1%}/{r["mfu_best_step"]:.1%}',
+            '-' if r.get('mfu_paired_median') is None else f'{r["mfu_paired_median"]:.1%}',
+            f'{r["step_seconds"]:.3f}',
+            f'{r["first_step_seconds"]:.1f}',
+            f'{r["compile_seconds"]:.1f}',
+            _si(r['peak_memory_bytes'], 'B'),
+            _si(r.get('xla_step_memory_bytes'), 'B'),
+          ]
+          for r in report['training']
+        ],
+      ),
+      '',
+    ]
   if report.get('decoding'):
     rows = []
     for r in report['decoding']:
       for mode in DECODE_MODES:
         d = r['modes'][mode]
         kind = mode.split('_')[0]
-        rows.append([r['model'], mode, f'{d["sentences_per_second"]:.1f}',
-                     f'{d["tokens_per_second"]:.0f}', f'{d["mean_output_tokens"]:.1f}',
-                     f'{d["first_call_seconds"]:.1f}',
-                     f'{r["cache_speedup"][kind]:.2f}x' if mode.endswith('_cached') else ''])
-    out += [f'decoding (beam {report["decoding"][0]["beam_size"]}; ' + '; '.join(
-        f'{r["model"]}: {r["note"]}' for r in report['decoding']) + ')',
-            _table(['model', 'mode', 'sent/s', 'tok/s', 'tok/sent', 'first call s',
-                    'cache speedup'], rows), '']
+        rows.append(
+          [
+            r['model'],
+            mode,
+            f'{d["sentences_per_second"]:.1f}',
+            f'{d["tokens_per_second"]:.0f}',
+            f'{d["mean_output_tokens"]:.1f}',
+            f'{d["first_call_seconds"]:.1f}',
+            f'{r["cache_speedup"][kind]:.2f}x' if mode.endswith('_cached') else '',
+          ]
+        )
+    out += [
+      f'decoding (beam {report["decoding"][0]["beam_size"]}; '
+      + '; '.join(f'{r["model"]}: {r["note"]}' for r in report['decoding'])
+      + ')',
+      _table(
+        ['model', 'mode', 'sent/s', 'tok/s', 'tok/sent', 'first call s', 'cache speedup'], rows
+      ),
+      '',
+    ]
   if report.get('pipeline'):
     p = report['pipeline']
-    out += [f'input pipeline ({p["examples"]:,} synthetic Multi30k-like pairs, max length '
-            f'{p["max_length"]}, {p["tokens_per_batch"]} padded tokens per batch and side; '
-            f'compared with the {p["size"]} training step)', _table(
-                ['mode', 'examples/s', 'examples/batch', 'padding', 'training needs',
-                 'ratio'],
-                [[mode, f'{d["examples_per_second"]:,.0f}', f'{d["examples_per_batch"]:.1f}',
-                  f'{d["padding_fraction"]:.1%}',
-                  f'{d["training_examples_per_second"]:,.0f}/s'
-                  if 'training_examples_per_second' in d else '-',
-                  f'{d["ratio_to_training"]:.1f}x' if 'ratio_to_training' in d else '-']
-                 for mode, d in p['modes'].items()]), '']
+    out += [
+      f'input pipeline ({p["examples"]:,} synthetic Multi30k-like pairs, max length '
+      f'{p["max_length"]}, {p["tokens_per_batch"]} padded tokens per batch and side; '
+      f'compared with the {p["size"]} training step)',
+      _table(
+        ['mode', 'examples/s', 'examples/batch', 'padding', 'training needs', 'ratio'],
+        [
+          [
+            mode,
+            f'{d["examples_per_second"]:,.0f}',
+            f'{d["examples_per_batch"]:.1f}',
+            f'{d["padding_fraction"]:.1%}',
+            f'{d["training_examples_per_second"]:,.0f}/s'
+            if 'training_examples_per_second' in d
+            else '-',
+            f'{d["ratio_to_training"]:.1f}x' if 'ratio_to_training' in d else '-',
+          ]
+          for mode, d in p['modes'].items()
+        ],
+      ),
+      '',
+    ]
   return '\n'.join(out)
 
 

@@ -47,8 +47,15 @@ from transformer_jax import host_memory
 from transformer_jax.benchmark.decoding import benchmark_decoding, suppress_eos, trained_decoding
 from transformer_jax.benchmark.flops import FLOPS_FORMULA, PeakTimer
 from transformer_jax.benchmark.pipeline import benchmark_pipeline
-from transformer_jax.benchmark.training import (SIZES, SizeSpec, benchmark_training, set_mfu,
-                                                size_spec, synthetic_ids, synthetic_lengths)
+from transformer_jax.benchmark.training import (
+  SIZES,
+  SizeSpec,
+  benchmark_training,
+  set_mfu,
+  size_spec,
+  synthetic_ids,
+  synthetic_lengths,
+)
 from transformer_jax.errors import UserInputError, is_integer
 from transformer_jax.models import Transformer
 
@@ -59,36 +66,70 @@ _PAIRED_PEAK_REPEATS = 2
 
 # --------------------------------------------------------------------------- Decoding --
 
-def synthetic_decoding(spec: SizeSpec, params, *, batch_size: int, source_length: int,
-                       decode_length: int, batches: int, beam_size: int, alpha: float,
-                       seed: int = 0) -> dict:
+
+def synthetic_decoding(
+  spec: SizeSpec,
+  params,
+  *,
+  batch_size: int,
+  source_length: int,
+  decode_length: int,
+  batches: int,
+  beam_size: int,
+  alpha: float,
+  seed: int = 0,
+) -> dict:
   """An untrained model with EOS suppressed: every sentence is exactly decode_length tokens."""
   cfg = spec.model_config
   if max(source_length, decode_length) > cfg.max_len:
     cfg = cfg.replace(max_len=max(source_length, decode_length))
   params, suppressed = suppress_eos(params, cfg)
   rng = np.random.default_rng(seed + 1)
-  sources = [synthetic_ids(rng, synthetic_lengths(rng, batch_size, source_length),
-                           source_length, cfg.vocab_size) for _ in range(batches)]
-  note = (f'untrained {spec.name} model, synthetic sources; EOS suppressed, so every sentence '
-          f'decodes exactly {decode_length} tokens (no early stop)' if suppressed else
-          f'untrained {spec.name} model, synthetic sources; could not suppress EOS (unknown '
-          'parameter layout): decoding may stop early, see mean_output_tokens')
-  return benchmark_decoding(spec.name, cfg, params, sources, max_decode_len=decode_length,
-                            beam_size=beam_size, alpha=alpha, note=note, trained=False,
-                            eos_suppressed=suppressed)
+  sources = [
+    synthetic_ids(
+      rng, synthetic_lengths(rng, batch_size, source_length), source_length, cfg.vocab_size
+    )
+    for _ in range(batches)
+  ]
+  note = (
+    f'untrained {spec.name} model, synthetic sources; EOS suppressed, so every sentence '
+    f'decodes exactly {decode_length} tokens (no early stop)'
+    if suppressed
+    else f'untrained {spec.name} model, synthetic sources; could not suppress EOS (unknown '
+    'parameter layout): decoding may stop early, see mean_output_tokens'
+  )
+  return benchmark_decoding(
+    spec.name,
+    cfg,
+    params,
+    sources,
+    max_decode_len=decode_length,
+    beam_size=beam_size,
+    alpha=alpha,
+    note=note,
+    trained=False,
+    eos_suppressed=suppressed,
+  )
 
 
 # ----------------------------------------------------------------------------- Report --
 
+
 def machine_info() -> dict:
   devices = jax.devices()
-  return {'platform': devices[0].platform, 'device_kind': devices[0].device_kind,
-          'device_count': len(devices), 'devices': [str(d) for d in devices],
-          'process_count': jax.process_count(), 'cpu_count': os.cpu_count(),
-          'hostname': socket.gethostname(), 'python': platform.python_version(),
-          'machine': platform.machine(), 'jax': jax.__version__,
-          'date': datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}
+  return {
+    'platform': devices[0].platform,
+    'device_kind': devices[0].device_kind,
+    'device_count': len(devices),
+    'devices': [str(d) for d in devices],
+    'process_count': jax.process_count(),
+    'cpu_count': os.cpu_count(),
+    'hostname': socket.gethostname(),
+    'python': platform.python_version(),
+    'machine': platform.machine(),
+    'jax': jax.__version__,
+    'date': datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds'),
+  }
 
 
 @dataclasses.dataclass
@@ -119,9 +160,18 @@ class Options:
 
 
 def _check_counts(options: Options) -> None:
-  positive = ('train_steps', 'peak_repeats', 'decode_batch_size', 'decode_source_length',
-              'decode_length', 'decode_batches', 'beam_size', 'pipeline_examples',
-              'pipeline_batches', 'pipeline_max_length')
+  positive = (
+    'train_steps',
+    'peak_repeats',
+    'decode_batch_size',
+    'decode_source_length',
+    'decode_length',
+    'decode_batches',
+    'beam_size',
+    'pipeline_examples',
+    'pipeline_batches',
+    'pipeline_max_length',
+  )
   for name in positive + ('rows_per_device', 'warmup_steps', 'peak_n'):
     value, least = getattr(options, name), 1 if name in positive else 0
     if not is_integer(value) or value < least:
@@ -132,45 +182,65 @@ def _check_counts(options: Options) -> None:
     raise UserInputError(f'--dropout must be in [0, 1), got {options.dropout!r}')
 
 
-def run(config: ml_collections.ConfigDict, options: Options,
-        progress: Callable[[str], None] = lambda message: None) -> dict:
+def run(
+  config: ml_collections.ConfigDict,
+  options: Options,
+  progress: Callable[[str], None] = lambda message: None,
+) -> dict:
   """Runs the benchmark; returns the report (what --json writes)."""
   for name in options.sizes:
     if name not in SIZES:
       raise UserInputError(f'--sizes: unknown size {name!r}; expected some of {", ".join(SIZES)}')
   for section in options.sections:
     if section not in ('train', 'decode', 'pipeline'):
-      raise UserInputError(f'--sections: unknown section {section!r}; expected some of '
-                           'train, decode, pipeline')
+      raise UserInputError(
+        f'--sections: unknown section {section!r}; expected some of train, decode, pipeline'
+      )
   _check_counts(options)
   accelerator = jax.devices()[0].platform != 'cpu'
   dtype = options.dtype or ('bfloat16' if accelerator else 'float32')
   peak_n = options.peak_n or (8192 if accelerator else 2048)
   report: dict[str, Any] = {
-      'machine': machine_info(),
-      'settings': {**dataclasses.asdict(options), 'dtype': dtype, 'peak_n': peak_n,
-                   'flops_formula': FLOPS_FORMULA,
-                   'reuse_host_memory': host_memory.is_applied()},
+    'machine': machine_info(),
+    'settings': {
+      **dataclasses.asdict(options),
+      'dtype': dtype,
+      'peak_n': peak_n,
+      'flops_formula': FLOPS_FORMULA,
+      'reuse_host_memory': host_memory.is_applied(),
+    },
   }
   progress(f'peak: timing a {peak_n}x{peak_n} {dtype} matmul')
   peak_timer = PeakTimer(peak_n, dtype)
   report['peak'] = peak_timer.measure(options.peak_repeats)
   peak = report['peak']['initial_flops_per_second'] = report['peak']['flops_per_second']
 
-  specs = {name: size_spec(name, config, dtype=dtype, dropout=options.dropout,
-                              attention_impl=options.attention_impl, remat=options.remat,
-                              rows_per_device=options.rows_per_device)
-           for name in options.sizes}
+  specs = {
+    name: size_spec(
+      name,
+      config,
+      dtype=dtype,
+      dropout=options.dropout,
+      attention_impl=options.attention_impl,
+      remat=options.remat,
+      rows_per_device=options.rows_per_device,
+    )
+    for name in options.sizes
+  }
   report['training'], report['decoding'] = [], []
   steps_per_second = {}
   for name, spec in specs.items():
     params = None
     if 'train' in options.sections:
       progress(f'training: {name}')
-      row, params = benchmark_training(spec, steps=options.train_steps,
-                                       warmup_steps=options.warmup_steps, peak_flops=peak,
-                                       seed=options.seed, peak_probe=lambda: peak_timer.measure(
-                                           _PAIRED_PEAK_REPEATS)['flops_per_second'])
+      row, params = benchmark_training(
+        spec,
+        steps=options.train_steps,
+        warmup_steps=options.warmup_steps,
+        peak_flops=peak,
+        seed=options.seed,
+        peak_probe=lambda: peak_timer.measure(_PAIRED_PEAK_REPEATS)['flops_per_second'],
+      )
       report['training'].append(row)
       steps_per_second[name] = row['steps_per_second']
       # The limit is the fastest the peak product ran at any point of the run: a start that
@@ -182,11 +252,19 @@ def run(config: ml_collections.ConfigDict, options: Options,
         model = Transformer(spec.model_config)
         dummy = jnp.ones((1, 1), jnp.int32)
         params = model.init(jax.random.PRNGKey(options.seed), dummy, dummy)['params']
-      report['decoding'].append(synthetic_decoding(
-          spec, params, batch_size=options.decode_batch_size,
-          source_length=options.decode_source_length, decode_length=options.decode_length,
-          batches=options.decode_batches, beam_size=options.beam_size, alpha=options.alpha,
-          seed=options.seed))
+      report['decoding'].append(
+        synthetic_decoding(
+          spec,
+          params,
+          batch_size=options.decode_batch_size,
+          source_length=options.decode_source_length,
+          decode_length=options.decode_length,
+          batches=options.decode_batches,
+          beam_size=options.beam_size,
+          alpha=options.alpha,
+          seed=options.seed,
+        )
+      )
     del params
   if report['training']:
     report['peak']['flops_per_second'] = peak  # The initial figure stays in 'initial_...'.
@@ -194,20 +272,32 @@ def run(config: ml_collections.ConfigDict, options: Options,
       set_mfu(row, peak)
   if 'decode' in options.sections and options.workdir:
     progress(f'decoding: trained model in {options.workdir}')
-    report['decoding'].append(trained_decoding(
-        options.workdir, batch_size=options.decode_batch_size, batches=options.decode_batches,
-        beam_size=options.beam_size, alpha=options.alpha))
+    report['decoding'].append(
+      trained_decoding(
+        options.workdir,
+        batch_size=options.decode_batch_size,
+        batches=options.decode_batches,
+        beam_size=options.beam_size,
+        alpha=options.alpha,
+      )
+    )
 
   if 'pipeline' in options.sections:
-    size = options.pipeline_size or ('small' if 'small' in specs else
-                                     (options.sizes[0] if options.sizes else 'small'))
+    size = options.pipeline_size or (
+      'small' if 'small' in specs else (options.sizes[0] if options.sizes else 'small')
+    )
     spec = specs.get(size) or size_spec(size, config, dtype=dtype)
     progress(f'input pipeline: batches of the {size} size')
     report['pipeline'] = benchmark_pipeline(
-        num_examples=options.pipeline_examples, max_length=options.pipeline_max_length,
-        tokens_per_batch=spec.target_tokens_per_device * jax.device_count(),
-        num_batches=options.pipeline_batches, train_steps_per_second=steps_per_second.get(size),
-        vocab_size=spec.model_config.vocab_size, size=size, seed=options.seed)
+      num_examples=options.pipeline_examples,
+      max_length=options.pipeline_max_length,
+      tokens_per_batch=spec.target_tokens_per_device * jax.device_count(),
+      num_batches=options.pipeline_batches,
+      train_steps_per_second=steps_per_second.get(size),
+      vocab_size=spec.model_config.vocab_size,
+      size=size,
+      seed=options.seed,
+    )
   return report
 
 

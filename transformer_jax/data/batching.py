@@ -56,8 +56,9 @@ class _EpochPlan:
   `local_batch(split, batch, process_index, process_count)` (this process's arrays).
   """
 
-  def __init__(self, source_lengths: np.ndarray, target_lengths: np.ndarray, *,
-               max_length: int, seed: int):
+  def __init__(
+    self, source_lengths: np.ndarray, target_lengths: np.ndarray, *, max_length: int, seed: int
+  ):
     self.source_lengths = np.asarray(source_lengths)
     self.target_lengths = np.asarray(target_lengths)
     self.lengths = np.maximum(self.source_lengths, self.target_lengths)
@@ -81,8 +82,9 @@ class _EpochPlan:
   def _plan_epoch(self, epoch: int, rng: np.random.Generator) -> list:
     raise NotImplementedError
 
-  def local_batch(self, split, batch, process_index: int,
-                  process_count: int) -> dict[str, np.ndarray]:
+  def local_batch(
+    self, split, batch, process_index: int, process_count: int
+  ) -> dict[str, np.ndarray]:
     raise NotImplementedError
 
   def locate(self, index: int) -> tuple[int, int]:
@@ -106,13 +108,20 @@ def _local_slice(rows: int, process_index: int, process_count: int) -> slice:
 class TokenBudgetPlan(_EpochPlan):
   """Which examples make up each batch of each epoch, for a token budget."""
 
-  def __init__(self, source_lengths: np.ndarray, target_lengths: np.ndarray, *,
-               tokens_per_batch: int, max_length: int, seed: int, row_multiple: int = 1):
+  def __init__(
+    self,
+    source_lengths: np.ndarray,
+    target_lengths: np.ndarray,
+    *,
+    tokens_per_batch: int,
+    max_length: int,
+    seed: int,
+    row_multiple: int = 1,
+  ):
     super().__init__(source_lengths, target_lengths, max_length=max_length, seed=seed)
     self.buckets = bucket_lengths(max_length)
     # Rows per bucket: the token budget over the padded length.
-    self.rows = [rows_for_budget(tokens_per_batch, length, row_multiple)
-                 for length in self.buckets]
+    self.rows = [rows_for_budget(tokens_per_batch, length, row_multiple) for length in self.buckets]
 
   def bucket_of(self, length: int) -> int:
     return bisect.bisect_left(self.buckets, length)
@@ -127,7 +136,7 @@ class TokenBudgetPlan(_EpochPlan):
     pending: dict[int, list[int]] = {}
     batches = []
     for start in range(0, len(order), pool_size):
-      pool = order[start:start + pool_size]
+      pool = order[start : start + pool_size]
       pool = pool[np.argsort(self.lengths[pool], kind='stable')]
       # Sorted by length, the pool is a run of examples per bucket, in bucket order. Each run
       # tops up that bucket's pending examples and is cut into full batches of its rows; the
@@ -139,7 +148,7 @@ class TokenBudgetPlan(_EpochPlan):
         members = np.concatenate([pending.get(bucket, run[:0]), run])
         rows = self.rows[bucket]
         full = len(members) // rows * rows
-        batches.extend((bucket, members[i:i + rows]) for i in range(0, full, rows))
+        batches.extend((bucket, members[i : i + rows]) for i in range(0, full, rows))
         pending[bucket] = members[full:]
     # Leftovers become partly empty batches, so every example is seen once per epoch.
     for bucket, members in sorted(pending.items()):
@@ -147,8 +156,9 @@ class TokenBudgetPlan(_EpochPlan):
         batches.append((bucket, members))
     return [batches[i] for i in rng.permutation(len(batches))]
 
-  def local_batch(self, split, batch: tuple[int, np.ndarray], process_index: int,
-                  process_count: int) -> dict[str, np.ndarray]:
+  def local_batch(
+    self, split, batch: tuple[int, np.ndarray], process_index: int, process_count: int
+  ) -> dict[str, np.ndarray]:
     bucket, members = batch
     length, rows = self.buckets[bucket], self.rows[bucket]
     local = _local_slice(rows, process_index, process_count)
@@ -156,8 +166,8 @@ class TokenBudgetPlan(_EpochPlan):
     targets = np.zeros((rows // process_count, length), np.int32)
     for row, example_index in enumerate(members[local]):
       example = split[int(example_index)]
-      inputs[row, :len(example['inputs'])] = example['inputs']
-      targets[row, :len(example['targets'])] = example['targets']
+      inputs[row, : len(example['inputs'])] = example['inputs']
+      targets[row, : len(example['targets'])] = example['targets']
     return {'inputs': inputs, 'targets': targets}
 
   def padding_fraction(self, epoch: int = 0) -> float:
@@ -180,8 +190,16 @@ class PackedPlan(_EpochPlan):
   of rows, each an array of example indices in their order within the row.
   """
 
-  def __init__(self, source_lengths: np.ndarray, target_lengths: np.ndarray, *, rows: int,
-               length: int, seed: int, pool_size: int = _PACKING_POOL_EXAMPLES):
+  def __init__(
+    self,
+    source_lengths: np.ndarray,
+    target_lengths: np.ndarray,
+    *,
+    rows: int,
+    length: int,
+    seed: int,
+    pool_size: int = _PACKING_POOL_EXAMPLES,
+  ):
     super().__init__(source_lengths, target_lengths, max_length=length, seed=seed)
     if rows < 1 or length < 1 or pool_size < 1:
       raise ValueError(f'rows={rows}, length={length}, pool_size={pool_size} must be positive')
@@ -195,9 +213,9 @@ class PackedPlan(_EpochPlan):
     order = rng.permutation(self.eligible)
     rows: list[np.ndarray] = []
     for start in range(0, len(order), self.pool_size):
-      rows.extend(self._pack(order[start:start + self.pool_size]))
+      rows.extend(self._pack(order[start : start + self.pool_size]))
     rows = [rows[i] for i in rng.permutation(len(rows))]
-    return [rows[start:start + self.rows] for start in range(0, len(rows), self.rows)]
+    return [rows[start : start + self.rows] for start in range(0, len(rows), self.rows)]
 
   def _pack(self, pool: np.ndarray) -> list[np.ndarray]:
     """First-fit of the pool's pairs (in the pool's order) into rows of self.length."""
@@ -207,7 +225,7 @@ class PackedPlan(_EpochPlan):
     members: list[list[int]] = []
     for index in pool.tolist():
       source, target = self.source_lengths[index], self.target_lengths[index]
-      fits = (source_room[:len(members)] >= source) & (target_room[:len(members)] >= target)
+      fits = (source_room[: len(members)] >= source) & (target_room[: len(members)] >= target)
       row = int(fits.argmax()) if len(members) else 0
       if not len(members) or not fits[row]:
         row = len(members)
@@ -218,15 +236,17 @@ class PackedPlan(_EpochPlan):
       target_room[row] -= target
     return [np.asarray(m, np.int64) for m in members]
 
-  def local_batch(self, split, batch: list[np.ndarray], process_index: int,
-                  process_count: int) -> dict[str, np.ndarray]:
+  def local_batch(
+    self, split, batch: list[np.ndarray], process_index: int, process_count: int
+  ) -> dict[str, np.ndarray]:
     """This process's rows of a batch: ids, segment ids and positions per side, [rows, L]."""
     local_rows = self.rows // process_count
-    arrays = {f'{side}{suffix}': np.zeros((local_rows, self.length), np.int32)
-              for side in ('inputs', 'targets')
-              for suffix in ('', '_segment_ids', '_positions')}
-    for row, members in enumerate(batch[_local_slice(self.rows, process_index,
-                                                     process_count)]):
+    arrays = {
+      f'{side}{suffix}': np.zeros((local_rows, self.length), np.int32)
+      for side in ('inputs', 'targets')
+      for suffix in ('', '_segment_ids', '_positions')
+    }
+    for row, members in enumerate(batch[_local_slice(self.rows, process_index, process_count)]):
       for side in ('inputs', 'targets'):
         offset = 0
         for segment, example_index in enumerate(members.tolist(), start=1):
@@ -241,8 +261,11 @@ class PackedPlan(_EpochPlan):
   def padding_fraction(self, epoch: int = 0) -> float:
     """Fraction of the batches' source+target positions that are padding, over one epoch."""
     batches = self.epoch(epoch)
-    real = sum(int(self.source_lengths[m].sum() + self.target_lengths[m].sum())
-               for batch in batches for m in batch)
+    real = sum(
+      int(self.source_lengths[m].sum() + self.target_lengths[m].sum())
+      for batch in batches
+      for m in batch
+    )
     return 1.0 - real / max(2 * len(batches) * self.rows * self.length, 1)
 
   def examples_per_row(self, epoch: int = 0) -> float:
@@ -263,22 +286,32 @@ class _PlannedBatches:
 
   def __getitem__(self, index: int) -> dict[str, np.ndarray]:
     epoch, position = self._plan.locate(index)
-    return self._plan.local_batch(self._split, self._plan.epoch(epoch)[position],
-                                  self._process_index, self._process_count)
+    return self._plan.local_batch(
+      self._split, self._plan.epoch(epoch)[position], self._process_index, self._process_count
+    )
 
 
-def _planned_iterator(split, plan: _EpochPlan, process_index: int, process_count: int,
-                      num_threads: int) -> grain.DatasetIterator:
+def _planned_iterator(
+  split, plan: _EpochPlan, process_index: int, process_count: int, num_threads: int
+) -> grain.DatasetIterator:
   dataset = grain.MapDataset.source(_PlannedBatches(split, plan, process_index, process_count))
-  return iter(dataset.to_iter_dataset(
-      grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=8)))
+  return iter(
+    dataset.to_iter_dataset(grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=8))
+  )
 
 
-def make_token_budget_iterator(split, *, tokens_per_batch: int, max_length: int, seed: int,
-                               process_index: int = 0, process_count: int = 1,
-                               devices_per_process: int = 1, micro_batches: int = 1,
-                               num_threads: int = 2) -> tuple[grain.DatasetIterator,
-                                                              TokenBudgetPlan]:
+def make_token_budget_iterator(
+  split,
+  *,
+  tokens_per_batch: int,
+  max_length: int,
+  seed: int,
+  process_index: int = 0,
+  process_count: int = 1,
+  devices_per_process: int = 1,
+  micro_batches: int = 1,
+  num_threads: int = 2,
+) -> tuple[grain.DatasetIterator, TokenBudgetPlan]:
   """Endless length-bucketed batches of `split` (a TokenizedSplit) and the plan behind them.
 
   `tokens_per_batch` is the global budget of padded tokens per side (the paper: ~25,000).
@@ -286,18 +319,31 @@ def make_token_budget_iterator(split, *, tokens_per_batch: int, max_length: int,
   into `micro_batches` gradient-accumulation micro-batches that split evenly over devices.
   """
   source_lengths, target_lengths = split.lengths()
-  plan = TokenBudgetPlan(source_lengths, target_lengths, tokens_per_batch=tokens_per_batch,
-                         max_length=max_length, seed=seed,
-                         row_multiple=process_count * devices_per_process * micro_batches)
+  plan = TokenBudgetPlan(
+    source_lengths,
+    target_lengths,
+    tokens_per_batch=tokens_per_batch,
+    max_length=max_length,
+    seed=seed,
+    row_multiple=process_count * devices_per_process * micro_batches,
+  )
   return _planned_iterator(split, plan, process_index, process_count, num_threads), plan
 
 
-def make_packed_iterator(split, *, length: int, seed: int, rows_per_batch: int | None = None,
-                         tokens_per_batch: int | None = None, process_index: int = 0,
-                         process_count: int = 1, devices_per_process: int = 1,
-                         micro_batches: int = 1, num_threads: int = 2,
-                         pool_size: int = _PACKING_POOL_EXAMPLES) -> tuple[
-                             grain.DatasetIterator, PackedPlan]:
+def make_packed_iterator(
+  split,
+  *,
+  length: int,
+  seed: int,
+  rows_per_batch: int | None = None,
+  tokens_per_batch: int | None = None,
+  process_index: int = 0,
+  process_count: int = 1,
+  devices_per_process: int = 1,
+  micro_batches: int = 1,
+  num_threads: int = 2,
+  pool_size: int = _PACKING_POOL_EXAMPLES,
+) -> tuple[grain.DatasetIterator, PackedPlan]:
   """Endless packed batches of `split` (a TokenizedSplit) and the plan behind them.
 
   Every batch is {'inputs', 'targets', 'inputs_segment_ids', 'targets_segment_ids',
@@ -312,12 +358,20 @@ def make_packed_iterator(split, *, length: int, seed: int, rows_per_batch: int |
   if rows_per_batch is None:
     rows_per_batch = rows_for_budget(tokens_per_batch, length, row_multiple)
   elif rows_per_batch < 1 or rows_per_batch % row_multiple:
-    raise ValueError(f'rows_per_batch={rows_per_batch} must be a positive multiple of '
-                     'process_count * devices_per_process * micro_batches = '
-                     f'{row_multiple}')
+    raise ValueError(
+      f'rows_per_batch={rows_per_batch} must be a positive multiple of '
+      'process_count * devices_per_process * micro_batches = '
+      f'{row_multiple}'
+    )
   source_lengths, target_lengths = split.lengths()
-  plan = PackedPlan(source_lengths, target_lengths, rows=rows_per_batch, length=length,
-                    seed=seed, pool_size=pool_size)
+  plan = PackedPlan(
+    source_lengths,
+    target_lengths,
+    rows=rows_per_batch,
+    length=length,
+    seed=seed,
+    pool_size=pool_size,
+  )
   return _planned_iterator(split, plan, process_index, process_count, num_threads), plan
 
 
@@ -325,7 +379,9 @@ def packing_model_args(batch: dict) -> dict:
   """Transformer keyword arguments for a packed batch (segment ids, positions); {} otherwise."""
   if 'inputs_segment_ids' not in batch:
     return {}
-  return {'src_segment_ids': batch['inputs_segment_ids'],
-          'tgt_segment_ids': batch['targets_segment_ids'],
-          'src_positions': batch.get('inputs_positions'),
-          'tgt_positions': batch.get('targets_positions')}
+  return {
+    'src_segment_ids': batch['inputs_segment_ids'],
+    'tgt_segment_ids': batch['targets_segment_ids'],
+    'src_positions': batch.get('inputs_positions'),
+    'tgt_positions': batch.get('targets_positions'),
+  }

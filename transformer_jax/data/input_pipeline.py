@@ -42,12 +42,17 @@ def resolve_dataset(config: ml_collections.ConfigDict, data_dir: str) -> str:
     number_words.prepare(data_dir, config_name)
     return f'number_words/{config_name}'
   if name == 'text':
-    src_paths, tgt_paths = text_dataset.text_paths(config.data.dir, config.data.src_lang,
-                                                   config.data.tgt_lang)
+    src_paths, tgt_paths = text_dataset.text_paths(
+      config.data.dir, config.data.src_lang, config.data.tgt_lang
+    )
     return text_dataset.prepare_text_dataset(
-        src_path_by_split=src_paths, tgt_path_by_split=tgt_paths, data_dir=data_dir,
-        src_lang=config.data.src_lang, tgt_lang=config.data.tgt_lang,
-        max_chars=config.data.max_chars)
+      src_path_by_split=src_paths,
+      tgt_path_by_split=tgt_paths,
+      data_dir=data_dir,
+      src_lang=config.data.src_lang,
+      tgt_lang=config.data.tgt_lang,
+      max_chars=config.data.max_chars,
+    )
   return name
 
 
@@ -57,13 +62,16 @@ def load_data_sources(config: ml_collections.ConfigDict, data_dir: str) -> dict[
   try:
     sources = tfds.data_source(name, data_dir=data_dir, try_gcs=False)
   except (tfds.core.registered.DatasetNotFoundError, FileNotFoundError, AssertionError) as error:
-    raise UserInputError(f'dataset {config.dataset!r} is not prepared in {data_dir}: '
-                         f'{str(error).splitlines()[0]}') from None
+    raise UserInputError(
+      f'dataset {config.dataset!r} is not prepared in {data_dir}: {str(error).splitlines()[0]}'
+    ) from None
   for split in (config.train_split, config.eval_split, config.test_split):
     if split not in sources:
-      raise UserInputError(f'dataset {name!r} has no split {split!r} (it has '
-                           f'{", ".join(sorted(sources))}); set config.train_split / '
-                           'eval_split / test_split')
+      raise UserInputError(
+        f'dataset {name!r} has no split {split!r} (it has '
+        f'{", ".join(sorted(sources))}); set config.train_split / '
+        'eval_split / test_split'
+      )
   return {'name': name, **sources}
 
 
@@ -72,8 +80,9 @@ def _text(example: dict, key: str) -> str:
   return value.decode('utf-8') if isinstance(value, bytes) else str(value)
 
 
-def read_examples(source, start: int = 0, stop: int | None = None,
-                  chunk_size: int = 1024) -> Iterator[dict]:
+def read_examples(
+  source, start: int = 0, stop: int | None = None, chunk_size: int = 1024
+) -> Iterator[dict]:
   """Examples [start, stop) of a tfds data source, in order, read in chunks.
 
   `source[i]` costs ~1 ms per call (a fresh array_record read each time); reading a chunk at once
@@ -91,20 +100,25 @@ def training_sentences(source, config: ml_collections.ConfigDict) -> Iterator[st
     yield _text(example, config.data.tgt_lang)
 
 
-def load_or_train_tokenizer(config: ml_collections.ConfigDict, workdir: Workdir,
-                            train_source) -> Tokenizer:
+def load_or_train_tokenizer(
+  config: ml_collections.ConfigDict, workdir: Workdir, train_source
+) -> Tokenizer:
   """The workdir's vocabulary if it exists (a resumed run), else a new one trained and saved."""
   path = workdir.vocab_file
   if os.path.exists(path):
     return Tokenizer.load(path)
   try:
-    tokenizer = Tokenizer.train(training_sentences(train_source, config),
-                                vocab_size=config.vocab_size,
-                                model_type=config.vocab_model_type)
+    tokenizer = Tokenizer.train(
+      training_sentences(train_source, config),
+      vocab_size=config.vocab_size,
+      model_type=config.vocab_model_type,
+    )
   except RuntimeError as error:  # SentencePiece reports bad settings as RuntimeError.
-    raise UserInputError(f'config.vocab_size={config.vocab_size} / '
-                         f'config.vocab_model_type={config.vocab_model_type!r}: SentencePiece '
-                         f'cannot train this vocabulary: {str(error).strip()}') from None
+    raise UserInputError(
+      f'config.vocab_size={config.vocab_size} / '
+      f'config.vocab_model_type={config.vocab_model_type!r}: SentencePiece '
+      f'cannot train this vocabulary: {str(error).strip()}'
+    ) from None
   if jax.process_index() == 0:
     tokenizer.save(path)
   return tokenizer
@@ -136,19 +150,33 @@ class TokenizedSplit:
     if not 0 <= index < len(self):
       raise IndexError(index)
     return {
-        'inputs': arrays['inputs_flat'][arrays['inputs_offsets'][index]:
-                                        arrays['inputs_offsets'][index + 1]],
-        'targets': arrays['targets_flat'][arrays['targets_offsets'][index]:
-                                          arrays['targets_offsets'][index + 1]],
+      'inputs': arrays['inputs_flat'][
+        arrays['inputs_offsets'][index] : arrays['inputs_offsets'][index + 1]
+      ],
+      'targets': arrays['targets_flat'][
+        arrays['targets_offsets'][index] : arrays['targets_offsets'][index + 1]
+      ],
     }
 
   @classmethod
-  def build(cls, source, tokenizer: Tokenizer, config: ml_collections.ConfigDict,
-            cache_path: str | None = None, dataset_name: str = '') -> 'TokenizedSplit':
+  def build(
+    cls,
+    source,
+    tokenizer: Tokenizer,
+    config: ml_collections.ConfigDict,
+    cache_path: str | None = None,
+    dataset_name: str = '',
+  ) -> 'TokenizedSplit':
     """Loads `cache_path` if it was made from the same source and vocabulary, else tokenizes."""
-    fingerprint = json.dumps({
-        'dataset': dataset_name, 'keys': [config.data.src_lang, config.data.tgt_lang],
-        'examples': len(source), 'vocabulary': tokenizer.fingerprint}, sort_keys=True)
+    fingerprint = json.dumps(
+      {
+        'dataset': dataset_name,
+        'keys': [config.data.src_lang, config.data.tgt_lang],
+        'examples': len(source),
+        'vocabulary': tokenizer.fingerprint,
+      },
+      sort_keys=True,
+    )
     if cache_path and os.path.exists(cache_path):
       with np.load(cache_path, allow_pickle=False) as cached:
         if str(cached['fingerprint']) == fingerprint:
@@ -180,8 +208,9 @@ class TokenizedSplit:
     for side, parts in chunks.items():
       lengths = np.concatenate([np.zeros((0,), np.int64)] + [length for length, _ in parts])
       arrays[f'{side}_offsets'] = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-      arrays[f'{side}_flat'] = np.concatenate([np.zeros((0,), np.int32)]
-                                              + [flat for _, flat in parts])
+      arrays[f'{side}_flat'] = np.concatenate(
+        [np.zeros((0,), np.int32)] + [flat for _, flat in parts]
+      )
     return cls(arrays)
 
 
@@ -195,18 +224,27 @@ def _flatten(sequences: list) -> tuple[np.ndarray, np.ndarray]:
   return lengths, flat
 
 
-def tokenized_splits(sources: dict, tokenizer: Tokenizer, config: ml_collections.ConfigDict,
-                     workdir: Workdir) -> dict[str, TokenizedSplit]:
+def tokenized_splits(
+  sources: dict, tokenizer: Tokenizer, config: ml_collections.ConfigDict, workdir: Workdir
+) -> dict[str, TokenizedSplit]:
   splits = {}
   for split in dict.fromkeys([config.train_split, config.eval_split, config.test_split]):
-    splits[split] = TokenizedSplit.build(sources[split], tokenizer, config,
-                                         workdir.token_cache_file(sources['name'], split),
-                                         dataset_name=sources['name'])
+    splits[split] = TokenizedSplit.build(
+      sources[split],
+      tokenizer,
+      config,
+      workdir.token_cache_file(sources['name'], split),
+      dataset_name=sources['name'],
+    )
   return splits
 
 
-def pad_batch(examples: list[dict], max_source_length: int, max_target_length: int,
-              batch_size: int | None = None) -> Batch:
+def pad_batch(
+  examples: list[dict],
+  max_source_length: int,
+  max_target_length: int,
+  batch_size: int | None = None,
+) -> Batch:
   """Stacks examples into right-padded int32 arrays; extra all-padding rows up to batch_size."""
   rows = batch_size or len(examples)
   inputs = np.zeros((rows, max_source_length), np.int32)
@@ -214,8 +252,8 @@ def pad_batch(examples: list[dict], max_source_length: int, max_target_length: i
   for row, example in enumerate(examples):
     source_ids = example['inputs'][:max_source_length]
     target_ids = example['targets'][:max_target_length]
-    inputs[row, :len(source_ids)] = source_ids
-    targets[row, :len(target_ids)] = target_ids
+    inputs[row, : len(source_ids)] = source_ids
+    targets[row, : len(target_ids)] = target_ids
   return {'inputs': inputs, 'targets': targets}
 
 
@@ -232,9 +270,15 @@ class _Subset:
     return self._split[int(self._indices[index])]
 
 
-def make_fixed_iterator(source: TokenizedSplit, config: ml_collections.ConfigDict, *,
-                        batch_size: int, seed: int, process_index: int = 0,
-                        process_count: int = 1) -> grain.DatasetIterator:
+def make_fixed_iterator(
+  source: TokenizedSplit,
+  config: ml_collections.ConfigDict,
+  *,
+  batch_size: int,
+  seed: int,
+  process_index: int = 0,
+  process_count: int = 1,
+) -> grain.DatasetIterator:
   """Endless, shuffled (a new order every epoch), fixed-shape batches of this process's shard.
 
   `batch_size` is this process's share of the global batch. Each process reads a disjoint slice
@@ -242,16 +286,22 @@ def make_fixed_iterator(source: TokenizedSplit, config: ml_collections.ConfigDic
   Pairs longer than the maximum lengths are left out (decided up front from the lengths).
   """
   source_lengths, target_lengths = source.lengths()
-  eligible = np.flatnonzero((source_lengths <= config.max_source_length)
-                            & (target_lengths <= config.max_target_length))
+  eligible = np.flatnonzero(
+    (source_lengths <= config.max_source_length) & (target_lengths <= config.max_target_length)
+  )
   dataset = (
-      grain.MapDataset.source(_Subset(source, eligible))
-      .slice(slice(process_index, None, process_count))
-      .shuffle(seed=seed)
-      .repeat(None)
-      .batch(batch_size, drop_remainder=True,
-             batch_fn=lambda examples: pad_batch(list(examples), config.max_source_length,
-                                                 config.max_target_length)))
+    grain.MapDataset.source(_Subset(source, eligible))
+    .slice(slice(process_index, None, process_count))
+    .shuffle(seed=seed)
+    .repeat(None)
+    .batch(
+      batch_size,
+      drop_remainder=True,
+      batch_fn=lambda examples: pad_batch(
+        list(examples), config.max_source_length, config.max_target_length
+      ),
+    )
+  )
   # Whole batches are the unit of prefetching: per-example threads cost more in locking than
   # the work they parallelise (bench/README.md, "Optimisations tried").
   return iter(dataset.to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=4)))
@@ -285,22 +335,27 @@ class TrainIterator:
     if state['layout'] != self.layout:
       saved, now = _describe_layout(state['layout']), _describe_layout(self.layout)
       raise UserInputError(
-          f'the checkpoint was written by a run on {saved}, this one runs on {now}: its batches '
-          'would differ from those the interrupted run was training on. Resume on the same '
-          'devices, or start a new --workdir')
+        f'the checkpoint was written by a run on {saved}, this one runs on {now}: its batches '
+        'would differ from those the interrupted run was training on. Resume on the same '
+        'devices, or start a new --workdir'
+      )
     self._iterator.set_state(state['position'])
 
 
 def _describe_layout(layout: dict[str, Any]) -> str:
   if 'devices' in layout:
     return f'{layout["devices"]} devices'
-  return (f'{layout["process_count"]} process(es) x {layout["local_device_count"]} '
-          'local devices')
+  return f'{layout["process_count"]} process(es) x {layout["local_device_count"]} local devices'
 
 
-def make_train_iterator(split: TokenizedSplit, config: ml_collections.ConfigDict, *,
-                        process_index: int = 0, process_count: int = 1,
-                        local_device_count: int = 1) -> TrainIterator:
+def make_train_iterator(
+  split: TokenizedSplit,
+  config: ml_collections.ConfigDict,
+  *,
+  process_index: int = 0,
+  process_count: int = 1,
+  local_device_count: int = 1,
+) -> TrainIterator:
   """The training batches of `config.batching`, for this process of the job.
 
   'fixed': `per_device_batch_size` pairs per device, padded to the maximum lengths; each
@@ -311,35 +366,62 @@ def make_train_iterator(split: TokenizedSplit, config: ml_collections.ConfigDict
   """
   accumulation = config.grad_accum_steps
   max_length = max(config.max_source_length, config.max_target_length)
-  planned = dict(tokens_per_batch=config.tokens_per_batch * accumulation, seed=config.seed,
-                 process_index=process_index, process_count=process_count,
-                 devices_per_process=local_device_count, micro_batches=accumulation)
+  planned = dict(
+    tokens_per_batch=config.tokens_per_batch * accumulation,
+    seed=config.seed,
+    process_index=process_index,
+    process_count=process_count,
+    devices_per_process=local_device_count,
+    micro_batches=accumulation,
+  )
   if config.batching == 'fixed':
     iterator = make_fixed_iterator(
-        split, config, batch_size=config.per_device_batch_size * local_device_count * accumulation,
-        seed=config.seed, process_index=process_index, process_count=process_count)
-    return TrainIterator(iterator, {'batching': 'fixed', 'process_count': process_count,
-                                    'local_device_count': local_device_count})
+      split,
+      config,
+      batch_size=config.per_device_batch_size * local_device_count * accumulation,
+      seed=config.seed,
+      process_index=process_index,
+      process_count=process_count,
+    )
+    return TrainIterator(
+      iterator,
+      {
+        'batching': 'fixed',
+        'process_count': process_count,
+        'local_device_count': local_device_count,
+      },
+    )
   if config.batching == 'tokens':
     iterator, plan = batching.make_token_budget_iterator(split, max_length=max_length, **planned)
-    log(f'token-budget batches: buckets {plan.buckets}, rows {plan.rows}, '
-        f'{len(plan.epoch(0))} batches per epoch, padding {plan.padding_fraction(0):.1%}, '
-        f'{len(plan.eligible):,} of {len(split):,} pairs fit the maximum length')
+    log(
+      f'token-budget batches: buckets {plan.buckets}, rows {plan.rows}, '
+      f'{len(plan.epoch(0))} batches per epoch, padding {plan.padding_fraction(0):.1%}, '
+      f'{len(plan.eligible):,} of {len(split):,} pairs fit the maximum length'
+    )
   elif config.batching == 'packed':
     iterator, plan = batching.make_packed_iterator(split, length=max_length, **planned)
-    log(f'packed batches: {plan.rows} rows of {max_length} tokens, {len(plan.epoch(0))} batches '
-        f'per epoch, {plan.examples_per_row(0):.2f} pairs per row, padding '
-        f'{plan.padding_fraction(0):.1%}, '
-        f'{len(plan.eligible):,} of {len(split):,} pairs fit the maximum length')
+    log(
+      f'packed batches: {plan.rows} rows of {max_length} tokens, {len(plan.epoch(0))} batches '
+      f'per epoch, {plan.examples_per_row(0):.2f} pairs per row, padding '
+      f'{plan.padding_fraction(0):.1%}, '
+      f'{len(plan.eligible):,} of {len(split):,} pairs fit the maximum length'
+    )
   else:
-    raise UserInputError("config.batching must be 'fixed', 'tokens' or 'packed', got "
-                         f'{config.batching!r}')
-  return TrainIterator(iterator, {'batching': config.batching,
-                                  'devices': process_count * local_device_count})
+    raise UserInputError(
+      f"config.batching must be 'fixed', 'tokens' or 'packed', got {config.batching!r}"
+    )
+  return TrainIterator(
+    iterator, {'batching': config.batching, 'devices': process_count * local_device_count}
+  )
 
 
-def make_eval_batches(source: TokenizedSplit, config: ml_collections.ConfigDict, *,
-                      batch_size: int, max_examples: int | None = None) -> list[Batch]:
+def make_eval_batches(
+  source: TokenizedSplit,
+  config: ml_collections.ConfigDict,
+  *,
+  batch_size: int,
+  max_examples: int | None = None,
+) -> list[Batch]:
   """Every example of a split exactly once, in order; over-long ones truncated, never dropped.
 
   The last batch is filled up with all-padding rows (zero weight) so all batches share a shape.
@@ -348,14 +430,18 @@ def make_eval_batches(source: TokenizedSplit, config: ml_collections.ConfigDict,
   batches = []
   for start in range(0, count, batch_size):
     examples = [source[i] for i in range(start, min(start + batch_size, count))]
-    batches.append(pad_batch(examples, config.max_source_length, config.max_target_length,
-                             batch_size))
+    batches.append(
+      pad_batch(examples, config.max_source_length, config.max_target_length, batch_size)
+    )
   return batches
 
 
-def eval_texts(source, config: ml_collections.ConfigDict,
-               max_examples: int | None = None) -> tuple[list[str], list[str]]:
+def eval_texts(
+  source, config: ml_collections.ConfigDict, max_examples: int | None = None
+) -> tuple[list[str], list[str]]:
   """(sources, references) as text, in split order."""
   examples = list(read_examples(source, 0, max_examples))
-  return ([_text(e, config.data.src_lang) for e in examples],
-          [_text(e, config.data.tgt_lang) for e in examples])
+  return (
+    [_text(e, config.data.src_lang) for e in examples],
+    [_text(e, config.data.tgt_lang) for e in examples],
+  )

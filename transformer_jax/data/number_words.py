@@ -18,22 +18,42 @@ import tensorflow_datasets as tfds
 MAX_NUMBER = 999_999_999
 SPLITS = ('train', 'validation', 'test')
 
-_EN_ONES = ('zero one two three four five six seven eight nine ten eleven '
-            'twelve thirteen fourteen fifteen sixteen seventeen eighteen '
-            'nineteen').split()
-_EN_TENS = ('', '', 'twenty', 'thirty', 'forty', 'fifty', 'sixty', 'seventy',
-            'eighty', 'ninety')
+_EN_ONES = (
+  'zero one two three four five six seven eight nine ten eleven '
+  'twelve thirteen fourteen fifteen sixteen seventeen eighteen '
+  'nineteen'
+).split()
+_EN_TENS = ('', '', 'twenty', 'thirty', 'forty', 'fifty', 'sixty', 'seventy', 'eighty', 'ninety')
 
 # German unit stems as used *inside* a number ("ein" in einhundert,
 # einundzwanzig, eintausend); a final 1 becomes "eins" (see _german_below_1000).
-_DE_ONES = ('', 'ein', 'zwei', 'drei', 'vier', 'fünf', 'sechs', 'sieben',
-            'acht', 'neun')
+_DE_ONES = ('', 'ein', 'zwei', 'drei', 'vier', 'fünf', 'sechs', 'sieben', 'acht', 'neun')
 # Teens and tens are listed in full because of the irregular stems
 # (sechzehn, siebzehn, sechzig, siebzig, dreißig, zwanzig).
-_DE_TEENS = ('zehn', 'elf', 'zwölf', 'dreizehn', 'vierzehn', 'fünfzehn',
-             'sechzehn', 'siebzehn', 'achtzehn', 'neunzehn')
-_DE_TENS = ('', '', 'zwanzig', 'dreißig', 'vierzig', 'fünfzig', 'sechzig',
-            'siebzig', 'achtzig', 'neunzig')
+_DE_TEENS = (
+  'zehn',
+  'elf',
+  'zwölf',
+  'dreizehn',
+  'vierzehn',
+  'fünfzehn',
+  'sechzehn',
+  'siebzehn',
+  'achtzehn',
+  'neunzehn',
+)
+_DE_TENS = (
+  '',
+  '',
+  'zwanzig',
+  'dreißig',
+  'vierzig',
+  'fünfzig',
+  'sechzig',
+  'siebzig',
+  'achtzig',
+  'neunzig',
+)
 
 
 def _check_range(n: int) -> None:
@@ -44,6 +64,7 @@ def _check_range(n: int) -> None:
 
 
 # ----------------------------------------------------------------- English --
+
 
 def _english_below_1000(n: int) -> str:
   """1 <= n <= 999, e.g. 'three hundred forty-two'."""
@@ -68,14 +89,14 @@ def english_words(n: int) -> str:
   millions, rest = divmod(n, 1_000_000)
   thousands, units = divmod(rest, 1_000)
   words = []
-  for count, scale in ((millions, ' million'), (thousands, ' thousand'),
-                       (units, '')):
+  for count, scale in ((millions, ' million'), (thousands, ' thousand'), (units, '')):
     if count:
       words.append(_english_below_1000(count) + scale)
   return ' '.join(words)
 
 
 # ------------------------------------------------------------------ German --
+
 
 def _german_below_100(n: int, final: bool) -> str:
   """1 <= n <= 99; `final` means nothing follows, so 1 is written 'eins'."""
@@ -133,6 +154,7 @@ def german_words(n: int) -> str:
 
 # ------------------------------------------------------------------ Splits --
 
+
 def split_of(n: int) -> str:
   """The split that owns n: a stable hash, ~94% train / 3% validation / 3% test.
 
@@ -169,7 +191,7 @@ def sample_numbers(split: str, count: int, seed: int) -> list[int]:
   while len(numbers) < count:
     digits = int(rng.integers(1, 10))
     low = 0 if digits == 1 else 10 ** (digits - 1)
-    n = int(rng.integers(low, 10 ** digits))
+    n = int(rng.integers(low, 10**digits))
     if n in taken or split_of(n) != split:
       continue
     taken.add(n)
@@ -179,9 +201,11 @@ def sample_numbers(split: str, count: int, seed: int) -> list[int]:
 
 # ------------------------------------------------------------ tfds builder --
 
+
 @dataclasses.dataclass(eq=False)
 class NumberWordsConfig(tfds.core.BuilderConfig):
   """Split sizes (number of examples) of a `number_words` variant."""
+
   train_size: int = 100_000
   validation_size: int = 2_000
   test_size: int = 2_000
@@ -193,9 +217,14 @@ class NumberWords(tfds.core.GeneratorBasedBuilder):
   VERSION = tfds.core.Version('1.0.0')
   RELEASE_NOTES = {'1.0.0': 'Initial release.'}
   BUILDER_CONFIGS = [
-      NumberWordsConfig(name='default', description='100k/2k/2k examples.'),
-      NumberWordsConfig(name='tiny', train_size=2_000, validation_size=200,
-                        test_size=200, description='Small, for tests.'),
+    NumberWordsConfig(name='default', description='100k/2k/2k examples.'),
+    NumberWordsConfig(
+      name='tiny',
+      train_size=2_000,
+      validation_size=200,
+      test_size=200,
+      description='Small, for tests.',
+    ),
   ]
   DEFAULT_CONFIG_NAME = 'default'
   # tfds derives this from the package via importlib_resources, a module that
@@ -207,22 +236,25 @@ class NumberWords(tfds.core.GeneratorBasedBuilder):
 
   def _info(self) -> tfds.core.DatasetInfo:
     return self.dataset_info_from_configs(
-        description='Numbers 0..999,999,999 written as English words and as '
-                    'German words; splits are disjoint in the numbers.',
-        features=tfds.features.FeaturesDict({
-            'en': tfds.features.Text(),
-            'de': tfds.features.Text(),
-        }),
-        supervised_keys=('en', 'de'),
+      description='Numbers 0..999,999,999 written as English words and as '
+      'German words; splits are disjoint in the numbers.',
+      features=tfds.features.FeaturesDict(
+        {
+          'en': tfds.features.Text(),
+          'de': tfds.features.Text(),
+        }
+      ),
+      supervised_keys=('en', 'de'),
     )
 
   def _split_generators(self, dl_manager):
     del dl_manager  # Nothing to download: the data is generated.
-    sizes = {'train': self.builder_config.train_size,
-             'validation': self.builder_config.validation_size,
-             'test': self.builder_config.test_size}
-    return {split: self._generate_examples(split, size)
-            for split, size in sizes.items()}
+    sizes = {
+      'train': self.builder_config.train_size,
+      'validation': self.builder_config.validation_size,
+      'test': self.builder_config.test_size,
+    }
+    return {split: self._generate_examples(split, size) for split, size in sizes.items()}
 
   def _generate_examples(self, split: str, size: int):
     for n in sample_numbers(split, size, self._SEED):
@@ -236,8 +268,7 @@ def prepare(data_dir: str, config_name: str = 'default') -> None:
   reads its metadata and returns.
   """
   tfds.disable_progress_bar()
-  builder = NumberWords(config=config_name, data_dir=data_dir,
-                        file_format='array_record')
+  builder = NumberWords(config=config_name, data_dir=data_dir, file_format='array_record')
   builder.download_and_prepare(
-      file_format='array_record',
-      download_config=tfds.download.DownloadConfig(try_download_gcs=False))
+    file_format='array_record', download_config=tfds.download.DownloadConfig(try_download_gcs=False)
+  )

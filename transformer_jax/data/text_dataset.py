@@ -60,9 +60,9 @@ import re
 import sys
 from typing import Iterator
 
+import tensorflow_datasets as tfds
 from absl import logging
 from etils import epath
-import tensorflow_datasets as tfds
 from tensorflow_datasets.core import shuffle as tfds_shuffle
 
 from transformer_jax.errors import UserInputError, is_integer
@@ -74,10 +74,13 @@ _FORMAT_VERSION = 1
 _VERSION = '1.0.0'
 
 # File stem(s) -> tfds split name, in the order splits are reported.
-_SPLIT_STEMS = {'train': ('train',), 'validation': ('valid', 'validation'),
-                'test': ('test',)}
-_SPLIT_ALIASES = {'train': 'train', 'valid': 'validation',
-                  'validation': 'validation', 'test': 'test'}
+_SPLIT_STEMS = {'train': ('train',), 'validation': ('valid', 'validation'), 'test': ('test',)}
+_SPLIT_ALIASES = {
+  'train': 'train',
+  'valid': 'validation',
+  'validation': 'validation',
+  'test': 'test',
+}
 # A language code: becomes a feature name, part of the dataset config name and
 # (in text_paths) a file extension.
 _LANG_RE = re.compile(r'^[A-Za-z][A-Za-z0-9_-]{0,31}$')
@@ -89,8 +92,10 @@ last_prepare_report: dict[str, dict[str, int]] = {}
 
 # ------------------------------------------------------------------ paths --
 
-def text_paths(data_dir_of_files: str, src_lang: str,
-               tgt_lang: str) -> tuple[dict[str, str], dict[str, str]]:
+
+def text_paths(
+  data_dir_of_files: str, src_lang: str, tgt_lang: str
+) -> tuple[dict[str, str], dict[str, str]]:
   """(src_path_by_split, tgt_path_by_split) from the DIR/{split}.{lang} layout.
 
   train.{src,tgt} must exist. valid.* (or validation.*) and test.* are optional:
@@ -99,17 +104,24 @@ def text_paths(data_dir_of_files: str, src_lang: str,
   """
   _check_langs(src_lang, tgt_lang)
   if not os.path.isdir(data_dir_of_files):
-    raise UserInputError(f'parallel text directory {data_dir_of_files} does not exist '
-                         'or is not a directory')
+    raise UserInputError(
+      f'parallel text directory {data_dir_of_files} does not exist or is not a directory'
+    )
   src_paths, tgt_paths = {}, {}
   for split, stems in _SPLIT_STEMS.items():
-    found = [stem for stem in stems
-             if any(os.path.exists(os.path.join(data_dir_of_files, f'{stem}.{lang}'))
-                    for lang in (src_lang, tgt_lang))]
+    found = [
+      stem
+      for stem in stems
+      if any(
+        os.path.exists(os.path.join(data_dir_of_files, f'{stem}.{lang}'))
+        for lang in (src_lang, tgt_lang)
+      )
+    ]
     if len(found) > 1:
       names = ' and '.join(f'{stem}.{{{src_lang},{tgt_lang}}}' for stem in found)
-      raise UserInputError(f'{data_dir_of_files} has both {names}; keep only one of them '
-                           f'for the {split} split')
+      raise UserInputError(
+        f'{data_dir_of_files} has both {names}; keep only one of them for the {split} split'
+      )
     stem = found[0] if found else stems[0]
     src = os.path.join(data_dir_of_files, f'{stem}.{src_lang}')
     tgt = os.path.join(data_dir_of_files, f'{stem}.{tgt_lang}')
@@ -124,37 +136,44 @@ def text_paths(data_dir_of_files: str, src_lang: str,
 
 # ------------------------------------------------------------- validation --
 
+
 def _check_langs(src_lang: str, tgt_lang: str) -> None:
   for field, lang in (('src_lang', src_lang), ('tgt_lang', tgt_lang)):
     if not isinstance(lang, str) or not _LANG_RE.match(lang):
-      raise UserInputError(f'{field}={lang!r} is not a language code: use a letter '
-                           'followed by letters, digits, "_" or "-" (e.g. "en")')
+      raise UserInputError(
+        f'{field}={lang!r} is not a language code: use a letter '
+        'followed by letters, digits, "_" or "-" (e.g. "en")'
+      )
   if src_lang == tgt_lang:
     raise UserInputError(f'src_lang and tgt_lang are both {src_lang!r}; they must differ')
 
 
-def _normalise_splits(src_path_by_split: dict[str, str],
-                      tgt_path_by_split: dict[str, str]) -> dict[str, tuple[str, str]]:
+def _normalise_splits(
+  src_path_by_split: dict[str, str], tgt_path_by_split: dict[str, str]
+) -> dict[str, tuple[str, str]]:
   """{tfds split: (src path, tgt path)} in train/validation/test order."""
-  for field, paths in (('src_path_by_split', src_path_by_split),
-                       ('tgt_path_by_split', tgt_path_by_split)):
+  for field, paths in (
+    ('src_path_by_split', src_path_by_split),
+    ('tgt_path_by_split', tgt_path_by_split),
+  ):
     if not isinstance(paths, dict):
       raise UserInputError(f'{field} must be a dict {{split: path}}, got {type(paths).__name__}')
     unknown = sorted(str(s) for s in paths if s not in _SPLIT_ALIASES)
     if unknown:
-      raise UserInputError(f'{field} has unknown split(s) {", ".join(unknown)}; '
-                           f'expected {", ".join(_SPLIT_ALIASES)}')
+      raise UserInputError(
+        f'{field} has unknown split(s) {", ".join(unknown)}; expected {", ".join(_SPLIT_ALIASES)}'
+      )
     if 'valid' in paths and 'validation' in paths:
       raise UserInputError(f'{field} has both "valid" and "validation"; give only one')
   src = {_SPLIT_ALIASES[s]: p for s, p in src_path_by_split.items()}
   tgt = {_SPLIT_ALIASES[s]: p for s, p in tgt_path_by_split.items()}
   if set(src) != set(tgt):
     raise UserInputError(
-        'src_path_by_split and tgt_path_by_split name different splits: '
-        f'{sorted(src)} vs {sorted(tgt)}')
+      'src_path_by_split and tgt_path_by_split name different splits: '
+      f'{sorted(src)} vs {sorted(tgt)}'
+    )
   if 'train' not in src:
-    raise UserInputError('no train split: src_path_by_split/tgt_path_by_split need a '
-                         '"train" entry')
+    raise UserInputError('no train split: src_path_by_split/tgt_path_by_split need a "train" entry')
   pairs = {}
   for split in _SPLIT_STEMS:
     if split in src:
@@ -178,20 +197,24 @@ def _read_lines(path: str, data: bytes) -> list[str]:
   """The lines of a UTF-8 text file's bytes, without line terminators."""
   nul = data.find(b'\x00')
   if nul >= 0:
-    raise UserInputError(f'{path} line {_line_of(data, nul)}: NUL byte; this looks like a '
-                         'binary file, expected UTF-8 text with one sentence per line')
+    raise UserInputError(
+      f'{path} line {_line_of(data, nul)}: NUL byte; this looks like a '
+      'binary file, expected UTF-8 text with one sentence per line'
+    )
   try:
     text = data.decode('utf-8')
   except UnicodeDecodeError as error:
     raise UserInputError(
-        f'{path} line {_line_of(data, error.start)}: invalid UTF-8 '
-        f'(byte 0x{data[error.start]:02x} at offset {error.start}); '
-        'convert the file to UTF-8') from None
+      f'{path} line {_line_of(data, error.start)}: invalid UTF-8 '
+      f'(byte 0x{data[error.start]:02x} at offset {error.start}); '
+      'convert the file to UTF-8'
+    ) from None
   if text.startswith('\ufeff'):
     text = text[1:]  # Byte order mark.
   if '\r' in text and '\n' not in text:
-    raise UserInputError(f'{path} line 1: the file uses CR-only (old Mac) line endings; '
-                         'convert them to \\n')
+    raise UserInputError(
+      f'{path} line 1: the file uses CR-only (old Mac) line endings; convert them to \\n'
+    )
   if not text:
     return []
   lines = text.split('\n')
@@ -208,18 +231,24 @@ def _sha256_of_file(path: str) -> str:
   return digest.hexdigest()
 
 
-def _fingerprint(digests: dict[str, tuple[str, str]], src_lang: str, tgt_lang: str,
-                 max_chars: int) -> str:
+def _fingerprint(
+  digests: dict[str, tuple[str, str]], src_lang: str, tgt_lang: str, max_chars: int
+) -> str:
   """12 hex digits over the file contents (by split), languages and options."""
-  record = {'format_version': _FORMAT_VERSION, 'src_lang': src_lang,
-            'tgt_lang': tgt_lang, 'max_chars': max_chars,
-            'sha256': {split: list(pair) for split, pair in digests.items()}}
+  record = {
+    'format_version': _FORMAT_VERSION,
+    'src_lang': src_lang,
+    'tgt_lang': tgt_lang,
+    'max_chars': max_chars,
+    'sha256': {split: list(pair) for split, pair in digests.items()},
+  }
   blob = json.dumps(record, sort_keys=True).encode('utf-8')
   return hashlib.sha256(blob).hexdigest()[:12]
 
 
-def _select_pairs(src_lines: list[str], tgt_lines: list[str], max_chars: int
-                  ) -> tuple[list[tuple[int, str, str]], dict[str, int]]:
+def _select_pairs(
+  src_lines: list[str], tgt_lines: list[str], max_chars: int
+) -> tuple[list[tuple[int, str, str]], dict[str, int]]:
   """Kept (line index, src, tgt) in file order, and the drop counts."""
   kept, empty, too_long = [], 0, 0
   for index, (src, tgt) in enumerate(zip(src_lines, tgt_lines)):
@@ -230,8 +259,7 @@ def _select_pairs(src_lines: list[str], tgt_lines: list[str], max_chars: int
       too_long += 1
     else:
       kept.append((index, src, tgt))
-  counts = {'lines': len(src_lines), 'kept': len(kept), 'empty': empty,
-            'too_long': too_long}
+  counts = {'lines': len(src_lines), 'kept': len(kept), 'empty': empty, 'too_long': too_long}
   return kept, counts
 
 
@@ -239,12 +267,15 @@ def _summary(counts: dict[str, int], max_chars: int) -> str:
   dropped = counts['empty'] + counts['too_long']
   if not dropped:
     return f'kept all {counts["lines"]:,} pairs'
-  return (f'dropped {dropped:,} of {counts["lines"]:,} pairs: '
-          f'{counts["empty"]:,} with an empty side, {counts["too_long"]:,} longer than '
-          f'{max_chars:,} characters')
+  return (
+    f'dropped {dropped:,} of {counts["lines"]:,} pairs: '
+    f'{counts["empty"]:,} with an empty side, {counts["too_long"]:,} longer than '
+    f'{max_chars:,} characters'
+  )
 
 
 # ----------------------------------------------------------- tfds builder --
+
 
 class ParallelText(tfds.core.GeneratorBasedBuilder, skip_registration=True):
   """Sentence pairs read from the user's files; one config per fingerprint.
@@ -261,9 +292,15 @@ class ParallelText(tfds.core.GeneratorBasedBuilder, skip_registration=True):
   # that is not installed, and the path is only used to look for checksums.
   code_path = tfds.core.Path(__file__)
 
-  def __init__(self, *, src_lang: str, tgt_lang: str,
-               pairs_by_split: dict[str, list[tuple[int, str, str]]],
-               report: dict[str, dict[str, int]], **kwargs):
+  def __init__(
+    self,
+    *,
+    src_lang: str,
+    tgt_lang: str,
+    pairs_by_split: dict[str, list[tuple[int, str, str]]],
+    report: dict[str, dict[str, int]],
+    **kwargs,
+  ):
     self._src_lang = src_lang
     self._tgt_lang = tgt_lang
     self._pairs_by_split = pairs_by_split
@@ -272,23 +309,26 @@ class ParallelText(tfds.core.GeneratorBasedBuilder, skip_registration=True):
 
   def _info(self) -> tfds.core.DatasetInfo:
     return self.dataset_info_from_configs(
-        description=(f'Sentence-aligned {self._src_lang}-{self._tgt_lang} text from '
-                     'user files (transformer_jax.data.text_dataset).'),
-        features=tfds.features.FeaturesDict({
-            self._src_lang: tfds.features.Text(),
-            self._tgt_lang: tfds.features.Text(),
-        }),
-        supervised_keys=(self._src_lang, self._tgt_lang),
-        # Write examples sorted by key (the line index), not by key hash, so that
-        # data_source[split][i] is the i-th kept pair in file order.
-        disable_shuffling=True,
-        metadata=tfds.core.MetadataDict(report=self._report),
+      description=(
+        f'Sentence-aligned {self._src_lang}-{self._tgt_lang} text from '
+        'user files (transformer_jax.data.text_dataset).'
+      ),
+      features=tfds.features.FeaturesDict(
+        {
+          self._src_lang: tfds.features.Text(),
+          self._tgt_lang: tfds.features.Text(),
+        }
+      ),
+      supervised_keys=(self._src_lang, self._tgt_lang),
+      # Write examples sorted by key (the line index), not by key hash, so that
+      # data_source[split][i] is the i-th kept pair in file order.
+      disable_shuffling=True,
+      metadata=tfds.core.MetadataDict(report=self._report),
     )
 
   def _split_generators(self, dl_manager):
     del dl_manager  # Nothing to download.
-    return {split: self._generate_examples(pairs)
-            for split, pairs in self._pairs_by_split.items()}
+    return {split: self._generate_examples(pairs) for split, pairs in self._pairs_by_split.items()}
 
   def _generate_examples(self, pairs) -> Iterator[tuple[int, dict[str, str]]]:
     for index, src, tgt in pairs:
@@ -296,6 +336,7 @@ class ParallelText(tfds.core.GeneratorBasedBuilder, skip_registration=True):
 
 
 # ---------------------------------------------------------------- prepare --
+
 
 class _DropCustomConfigWarning(python_logging.Filter):
   """Hides tfds's 'Using custom data configuration' warning: custom is the design."""
@@ -320,9 +361,15 @@ def dataset_path(name: str, data_dir: str) -> epath.Path:
   return epath.Path(data_dir).expanduser() / name / _VERSION
 
 
-def prepare_text_dataset(*, src_path_by_split: dict[str, str],
-                         tgt_path_by_split: dict[str, str], data_dir: str,
-                         src_lang: str, tgt_lang: str, max_chars: int = 10_000) -> str:
+def prepare_text_dataset(
+  *,
+  src_path_by_split: dict[str, str],
+  tgt_path_by_split: dict[str, str],
+  data_dir: str,
+  src_lang: str,
+  tgt_lang: str,
+  max_chars: int = 10_000,
+) -> str:
   """Prepares the parallel files as array_record once; returns the tfds name.
 
   Args:
@@ -348,8 +395,9 @@ def prepare_text_dataset(*, src_path_by_split: dict[str, str],
   paths = _normalise_splits(src_path_by_split, tgt_path_by_split)
 
   # Reuse: hashing the files is all it takes to find an existing dataset.
-  digests = {split: (_sha256_of_file(src), _sha256_of_file(tgt))
-             for split, (src, tgt) in paths.items()}
+  digests = {
+    split: (_sha256_of_file(src), _sha256_of_file(tgt)) for split, (src, tgt) in paths.items()
+  }
   config_name = f'{src_lang}_{tgt_lang}_{_fingerprint(digests, src_lang, tgt_lang, max_chars)}'
   name = f'{DATASET_NAME}/{config_name}'
   path = dataset_path(name, data_dir)
@@ -366,20 +414,22 @@ def prepare_text_dataset(*, src_path_by_split: dict[str, str],
   pairs_by_split, report = {}, {}
   for split, (src, tgt) in paths.items():
     src_data, tgt_data = (epath.Path(p).read_bytes() for p in (src, tgt))
-    if (hashlib.sha256(src_data).hexdigest(),
-        hashlib.sha256(tgt_data).hexdigest()) != digests[split]:
-      raise UserInputError(f'{split} files {src} / {tgt} changed while being prepared; '
-                           'run again')
+    if (hashlib.sha256(src_data).hexdigest(), hashlib.sha256(tgt_data).hexdigest()) != digests[
+      split
+    ]:
+      raise UserInputError(f'{split} files {src} / {tgt} changed while being prepared; run again')
     src_lines, tgt_lines = _read_lines(src, src_data), _read_lines(tgt, tgt_data)
     if len(src_lines) != len(tgt_lines):
       raise UserInputError(
-          f'{split} files have different line counts: {src} has {len(src_lines):,} lines, '
-          f'{tgt} has {len(tgt_lines):,}; line N of one must translate line N of the other')
+        f'{split} files have different line counts: {src} has {len(src_lines):,} lines, '
+        f'{tgt} has {len(tgt_lines):,}; line N of one must translate line N of the other'
+      )
     pairs_by_split[split], report[split] = _select_pairs(src_lines, tgt_lines, max_chars)
     if not pairs_by_split[split]:
       raise UserInputError(
-          f'no usable {split} pairs in {src} / {tgt}: '
-          + (_summary(report[split], max_chars) if src_lines else 'the files are empty'))
+        f'no usable {split} pairs in {src} / {tgt}: '
+        + (_summary(report[split], max_chars) if src_lines else 'the files are empty')
+      )
     del src_data, tgt_data, src_lines, tgt_lines  # Only the kept pairs stay in memory.
 
   for split, counts in report.items():
@@ -388,17 +438,25 @@ def prepare_text_dataset(*, src_path_by_split: dict[str, str],
   tfds.disable_progress_bar()
   with _quiet_custom_config_warning():
     builder = ParallelText(
-        config=tfds.core.BuilderConfig(
-            name=config_name,
-            description=f'{src_lang}->{tgt_lang}, max_chars={max_chars}, files: ' + ', '.join(
-                f'{split}={os.path.basename(s)}/{os.path.basename(t)}'
-                for split, (s, t) in paths.items())),
-        data_dir=data_dir, file_format='array_record', src_lang=src_lang,
-        tgt_lang=tgt_lang, pairs_by_split=pairs_by_split, report=report)
+      config=tfds.core.BuilderConfig(
+        name=config_name,
+        description=f'{src_lang}->{tgt_lang}, max_chars={max_chars}, files: '
+        + ', '.join(
+          f'{split}={os.path.basename(s)}/{os.path.basename(t)}' for split, (s, t) in paths.items()
+        ),
+      ),
+      data_dir=data_dir,
+      file_format='array_record',
+      src_lang=src_lang,
+      tgt_lang=tgt_lang,
+      pairs_by_split=pairs_by_split,
+      report=report,
+    )
   with _examples_buffered_in_memory():
     builder.download_and_prepare(
-        file_format='array_record',
-        download_config=tfds.download.DownloadConfig(try_download_gcs=False))
+      file_format='array_record',
+      download_config=tfds.download.DownloadConfig(try_download_gcs=False),
+    )
   last_prepare_report = report
   return name
 

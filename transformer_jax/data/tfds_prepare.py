@@ -21,24 +21,34 @@ def is_prepared(name: str, data_dir: str) -> bool:
 
 def builder(name: str, data_dir: str) -> tfds.core.DatasetBuilder:
   if name.split('/')[0] == 'number_words':
-    return number_words.NumberWords(config=name.split('/')[1] if '/' in name else 'default',
-                                    data_dir=data_dir, file_format='array_record')
+    return number_words.NumberWords(
+      config=name.split('/')[1] if '/' in name else 'default',
+      data_dir=data_dir,
+      file_format='array_record',
+    )
   # Without TensorFlow, `import tensorflow_datasets` registers only some builders; the
   # translation ones (wmt*, ted_*, opus, para_crawl) register when their package is imported.
   import tensorflow_datasets.translate  # noqa: F401
+
   try:
     return tfds.builder(name, data_dir=data_dir, file_format='array_record', try_gcs=False)
   except tfds.core.registered.DatasetNotFoundError as error:
     raise UserInputError(f'--dataset={name!r}: {str(error).splitlines()[0]}') from None
   except ValueError:  # e.g. an unknown builder config after the '/'
-    configs = [config.name for config in
-               getattr(tfds.builder_cls(name.split('/')[0]), 'BUILDER_CONFIGS', [])]
+    configs = [
+      config.name for config in getattr(tfds.builder_cls(name.split('/')[0]), 'BUILDER_CONFIGS', [])
+    ]
     known = f' (it has: {", ".join(configs)})' if configs else ''
     raise UserInputError(f'--dataset={name!r}: no such dataset config{known}') from None
 
 
-def prepare(name: str, data_dir: str, *, manual_dir: str | None = None,
-            max_examples_per_split: int | None = None) -> tfds.core.DatasetInfo:
+def prepare(
+  name: str,
+  data_dir: str,
+  *,
+  manual_dir: str | None = None,
+  max_examples_per_split: int | None = None,
+) -> tfds.core.DatasetInfo:
   """Downloads (if needed) and writes dataset `name` as array_record under data_dir.
 
   Returns its DatasetInfo. An already prepared dataset is not touched. Raises UserInputError
@@ -48,14 +58,17 @@ def prepare(name: str, data_dir: str, *, manual_dir: str | None = None,
   dataset_builder = builder(name, data_dir)
   if dataset_builder.is_prepared():
     return dataset_builder.info
-  if (not isinstance(dataset_builder, number_words.NumberWords)
-      and importlib.util.find_spec('tensorflow') is None):
-    raise UserInputError(f'--dataset={name!r}: preparing a stock tfds dataset needs TensorFlow; '
-                         "install it with `pip install -e '.[prepare]'` (training afterwards "
-                         'does not)')
+  if (
+    not isinstance(dataset_builder, number_words.NumberWords)
+    and importlib.util.find_spec('tensorflow') is None
+  ):
+    raise UserInputError(
+      f'--dataset={name!r}: preparing a stock tfds dataset needs TensorFlow; '
+      "install it with `pip install -e '.[prepare]'` (training afterwards "
+      'does not)'
+    )
   download_config = tfds.download.DownloadConfig(
-      manual_dir=manual_dir, max_examples_per_split=max_examples_per_split,
-      try_download_gcs=False)
-  dataset_builder.download_and_prepare(file_format='array_record',
-                                       download_config=download_config)
+    manual_dir=manual_dir, max_examples_per_split=max_examples_per_split, try_download_gcs=False
+  )
+  dataset_builder.download_and_prepare(file_format='array_record', download_config=download_config)
   return dataset_builder.info

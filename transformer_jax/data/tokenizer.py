@@ -24,11 +24,17 @@ class Tokenizer:
       self._processor.LoadFromSerializedProto(model_proto)
     except Exception as error:  # sentencepiece raises a bare RuntimeError/OSError.
       raise UserInputError(f'{path}: not a valid SentencePiece model ({error})') from None
-    ids = (self._processor.pad_id(), self._processor.eos_id(), self._processor.bos_id(),
-           self._processor.unk_id())
+    ids = (
+      self._processor.pad_id(),
+      self._processor.eos_id(),
+      self._processor.bos_id(),
+      self._processor.unk_id(),
+    )
     if ids != (PAD_ID, EOS_ID, BOS_ID, UNK_ID):
-      raise UserInputError(f'{path}: vocabulary has special ids pad/eos/bos/unk={ids}, '
-                       f'expected {(PAD_ID, EOS_ID, BOS_ID, UNK_ID)}')
+      raise UserInputError(
+        f'{path}: vocabulary has special ids pad/eos/bos/unk={ids}, '
+        f'expected {(PAD_ID, EOS_ID, BOS_ID, UNK_ID)}'
+      )
 
   @classmethod
   def load(cls, path: str) -> 'Tokenizer':
@@ -38,19 +44,35 @@ class Tokenizer:
       return cls(f.read(), path)
 
   @classmethod
-  def train(cls, sentences: Iterable[str], *, vocab_size: int, model_type: str = 'bpe',
-            character_coverage: float = 1.0, max_sentences: int = 1_000_000) -> 'Tokenizer':
+  def train(
+    cls,
+    sentences: Iterable[str],
+    *,
+    vocab_size: int,
+    model_type: str = 'bpe',
+    character_coverage: float = 1.0,
+    max_sentences: int = 1_000_000,
+  ) -> 'Tokenizer':
     """Trains a shared vocabulary on `sentences` (both languages, in a fixed order)."""
     model = io.BytesIO()
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(sentences), model_writer=model, vocab_size=vocab_size,
-        model_type=model_type, character_coverage=character_coverage,
-        pad_id=PAD_ID, eos_id=EOS_ID, bos_id=BOS_ID, unk_id=UNK_ID,
-        input_sentence_size=max_sentences,
-        # Deterministic: same sentences in, same vocabulary out.
-        shuffle_input_sentence=False, num_threads=1,
-        # A vocabulary too large for a tiny corpus is a config error, reported by SentencePiece.
-        hard_vocab_limit=True, minloglevel=2)
+      sentence_iterator=iter(sentences),
+      model_writer=model,
+      vocab_size=vocab_size,
+      model_type=model_type,
+      character_coverage=character_coverage,
+      pad_id=PAD_ID,
+      eos_id=EOS_ID,
+      bos_id=BOS_ID,
+      unk_id=UNK_ID,
+      input_sentence_size=max_sentences,
+      # Deterministic: same sentences in, same vocabulary out.
+      shuffle_input_sentence=False,
+      num_threads=1,
+      # A vocabulary too large for a tiny corpus is a config error, reported by SentencePiece.
+      hard_vocab_limit=True,
+      minloglevel=2,
+    )
     return cls(model.getvalue())
 
   def save(self, path: str) -> None:
