@@ -69,7 +69,7 @@ def test_two_checkpoints_mean(tmp_path):
   written = _write_workdir(workdir, [1, 2])
   result = average_checkpoints(workdir, last=2)
   assert result['averaged_steps'] == [1, 2] and result['latest_step'] == 2
-  assert result['path'] == Workdir(workdir).averaged
+  assert result['path'] == str(Workdir(workdir).averaged)
   assert read_metadata(result['path']) == {
     'averaged_steps': [1, 2],
     'latest_step': 2,
@@ -152,7 +152,7 @@ def test_cli(tmp_path):
   _write_workdir(workdir, [1, 2, 3])
   result = _run_cli(f'--workdir={workdir}', '--last=2')
   assert result.returncode == 0, result.stderr[-4000:]
-  assert 'steps 2, 3' in result.stdout and Workdir(workdir).averaged in result.stdout
+  assert 'steps 2, 3' in result.stdout and str(Workdir(workdir).averaged) in result.stdout
   assert read_metadata(Workdir(workdir).averaged)['averaged_steps'] == [2, 3]
 
   empty = str(tmp_path / 'empty')

@@ -14,8 +14,6 @@ stored dtype. Only N checkpoints still on disk can be averaged: training keeps t
 
 from __future__ import annotations
 
-import os
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,6 +21,7 @@ from absl import logging
 
 from transformer_jax.checkpointing import Checkpointer, save_params
 from transformer_jax.errors import UserInputError
+from transformer_jax.progress import progress
 from transformer_jax.workdir import Workdir
 
 
@@ -44,7 +43,7 @@ def average_checkpoints(workdir: str, last: int) -> dict:
   last = int(last)
   workdir = Workdir(workdir)
   checkpoint_dir = workdir.checkpoints
-  if not os.path.isdir(checkpoint_dir):  # do not let the Checkpointer create it
+  if not checkpoint_dir.is_dir():  # do not let the Checkpointer create it
     raise UserInputError(f'no checkpoints in {checkpoint_dir}')
   # keep=None: opening read-only must never prune anything.
   with Checkpointer(checkpoint_dir, keep=None, async_save=False) as checkpointer:
@@ -64,7 +63,7 @@ def average_checkpoints(workdir: str, last: int) -> dict:
     reference = None  # (treedef, [(name, shape, dtype)]) of the first checkpoint read
     sums: list[np.ndarray | None] = []
     latest_leaves: list[np.ndarray | None] = []
-    for step in chosen:
+    for step in progress(chosen, unit='steps', description=f'averaging {checkpoint_dir}'):
       params = checkpointer.restore_params_to_host(step)
       flat, treedef = jax.tree_util.tree_flatten_with_path(params)
       signature = [(_describe(path), np.shape(leaf), np.asarray(leaf).dtype) for path, leaf in flat]

@@ -40,6 +40,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from transformer_jax import paths
 from transformer_jax.errors import CorruptCheckpointError, UserInputError
 
 _STATE = 'state'
@@ -102,8 +103,9 @@ class Checkpointer:
     # damaged_directory: where `quarantine` moves steps that do not read back
     # (None: they stay where they are, and restore_latest_valid cannot skip them).
     # orbax requires an absolute path; normalising here lets callers pass
-    # relative paths and gives a stable string for error messages.
-    self.directory = os.path.abspath(os.fspath(directory))
+    # relative paths and gives a stable string for error messages. gs:// stays
+    # remote: orbax and tensorstore write Cloud Storage themselves.
+    self.directory = paths.local_or_remote(directory)
     self.damaged_directory = damaged_directory
     options = ocp.CheckpointManagerOptions(
       max_to_keep=keep, create=True, enable_async_checkpointing=async_save
@@ -212,19 +214,18 @@ class Checkpointer:
     if self.damaged_directory is None:
       raise ValueError('this Checkpointer was given no damaged_directory to move steps to')
     self._manager.wait_until_finished()
-    destination = os.path.join(
-      self.damaged_directory, f'{step}-{time.strftime("%Y%m%d-%H%M%S")}-{uuid.uuid4().hex[:6]}'
+    destination = paths.local_or_remote(self.damaged_directory) / (
+      f'{step}-{time.strftime("%Y%m%d-%H%M%S")}-{uuid.uuid4().hex[:6]}'
     )
-    os.makedirs(os.path.dirname(destination), exist_ok=True)
     if jax.process_index() == 0:
-      shutil.move(os.path.join(self.directory, str(step)), destination)
+      paths.move(self.directory / str(step), destination)
     self._manager.reload()  # orbax caches the list of steps.
     return destination
 
   def _corrupt(self, step: int, error: Exception) -> CorruptCheckpointError:
     first_line = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
     return CorruptCheckpointError(
-      f'checkpoint step {step} at {os.path.join(self.directory, str(step))} is damaged or '
+      f'checkpoint step {step} at {self.directory / str(step)} is damaged or '
       f'incomplete ({type(error).__name__}: {first_line})'
     )
 
@@ -235,7 +236,7 @@ class Checkpointer:
       name = prefix + name
       if name in expected and expected[name] != value:
         raise CorruptCheckpointError(
-          f'checkpoint step {step} at {os.path.join(self.directory, str(step))} is damaged: '
+          f'checkpoint step {step} at {self.directory / str(step)} is damaged: '
           f'{name} does not match the checksum written with it'
         )
 
@@ -259,11 +260,10 @@ class Checkpointer:
           item_dir,
           args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True),
         )
-      data_file = os.path.join(self.directory, str(step), _DATA, 'metadata')
+      data_file = self.directory / str(step) / _DATA / 'metadata'
       expected = None
-      if os.path.exists(data_file):
-        with open(data_file) as f:
-          expected = json.load(f).get(_CHECKSUMS)
+      if data_file.exists():
+        expected = json.loads(data_file.read_text()).get(_CHECKSUMS)
     except Exception as error:  # orbax/tensorstore raise many types; all mean "unreadable".
       raise self._corrupt(step, error) from None
     self._verify(step, restored['params'], expected, prefix='params/')
@@ -299,7 +299,7 @@ class Checkpointer:
         )
     except Exception as error:  # orbax/tensorstore raise many types; all mean "unreadable".
       raise self._corrupt(step, error) from None
-    step_dir = os.path.join(self.directory, str(step))
+    step_dir = self.directory / str(step)
     _verify_leaves(
       f'checkpoint step {step} at {step_dir}',
       restored['params'],
@@ -369,18 +369,15 @@ def _unreadable(where: str, error: Exception) -> CorruptCheckpointError:
   )
 
 
-def _step_checksums(step_dir: str) -> dict | None:
+def _step_checksums(step_dir: epath.Path) -> dict | None:
   """The checksums save() recorded in a step's 'data' item, or None for an older step."""
-  data_file = os.path.join(step_dir, _DATA, 'metadata')
-  if not os.path.exists(data_file):
+  data_file = step_dir / _DATA / 'metadata'
+  if not data_file.exists():
     return None
   try:
-    with open(data_file) as f:
-      return json.load(f).get(_CHECKSUMS)
+    return json.loads(data_file.read_text()).get(_CHECKSUMS)
   except (OSError, ValueError, AttributeError) as error:  # AttributeError: JSON not a dict
-    raise _unreadable(
-      f'checkpoint step {os.path.basename(step_dir)} at {step_dir}', error
-    ) from None
+    raise _unreadable(f'checkpoint step {step_dir.name} at {step_dir}', error) from None
 
 
 def _leaves_by_name(tree: Any) -> dict[str, Any]:
@@ -423,16 +420,14 @@ def _check_matches(directory: str, stored: Any, target: Any) -> None:
 _PARAMS_CHECKSUMS = '_checksums'
 
 
-def is_params_checkpoint(directory: str) -> bool:
+def is_params_checkpoint(directory: str | epath.Path) -> bool:
   """Whether `directory` holds a complete params-only checkpoint."""
-  directory = os.path.abspath(os.fspath(directory))
-  return os.path.isfile(os.path.join(directory, _METADATA_FILE)) and os.path.isdir(
-    os.path.join(directory, _PARAMS_ITEM)
-  )
+  directory = paths.local_or_remote(directory)
+  return (directory / _METADATA_FILE).is_file() and (directory / _PARAMS_ITEM).is_dir()
 
 
-def _require_params_checkpoint(directory: str) -> str:
-  directory = os.path.abspath(os.fspath(directory))
+def _require_params_checkpoint(directory: str | epath.Path) -> epath.Path:
+  directory = paths.local_or_remote(directory)
   if not is_params_checkpoint(directory):
     raise FileNotFoundError(f'no params checkpoint in {directory}')
   return directory
@@ -454,7 +449,7 @@ def save_params(directory: str, params: Any, metadata: dict | None = None) -> st
   """
   if jax.process_count() > 1:
     raise RuntimeError('save_params writes from one process; run it in a single-process job')
-  directory = os.path.abspath(os.fspath(directory))
+  directory = paths.local_or_remote(directory)
   metadata = dict(metadata or {})
   if _PARAMS_CHECKSUMS in metadata:
     raise ValueError(f'save_params: metadata key {_PARAMS_CHECKSUMS!r} is reserved')
@@ -469,6 +464,10 @@ def save_params(directory: str, params: Any, metadata: dict | None = None) -> st
   metadata_text = json.dumps(
     dict(metadata, **{_PARAMS_CHECKSUMS: checksums(params)}), indent=2, sort_keys=True
   )
+  if paths.is_gcs(directory):
+    _save_params_to_gcs(directory, params, metadata_text)
+    return str(directory)
+  directory = os.fspath(directory)
   parent, name = os.path.split(directory)
   os.makedirs(parent, exist_ok=True)
   for entry in os.listdir(parent):  # leftovers of earlier interrupted saves
@@ -512,11 +511,25 @@ def save_params(directory: str, params: Any, metadata: dict | None = None) -> st
   return directory
 
 
-def _read_metadata_file(directory: str) -> dict:
-  """metadata.json of the params checkpoint at absolute `directory`, reserved keys included."""
+def _save_params_to_gcs(directory: epath.Path, params: Any, metadata_text: str) -> None:
+  """save_params on Cloud Storage, which has no atomic rename of a folder: the old
+  metadata.json goes first (from then on the old checkpoint reads as absent, not as a mix),
+  the params are written, and the new metadata.json, one object that appears whole, last."""
+  metadata_file = directory / _METADATA_FILE
+  if metadata_file.exists():
+    metadata_file.unlink()
+  if directory.exists():
+    directory.rmtree()
+  with ocp.StandardCheckpointer() as writer:
+    writer.save(directory / _PARAMS_ITEM, params)
+    writer.wait_until_finished()
+  metadata_file.write_text(metadata_text + '\n')
+
+
+def _read_metadata_file(directory: epath.Path) -> dict:
+  """metadata.json of the params checkpoint at `directory`, reserved keys included."""
   try:
-    with open(os.path.join(directory, _METADATA_FILE)) as f:
-      metadata = json.load(f)
+    metadata = json.loads((directory / _METADATA_FILE).read_text())
   except ValueError as error:  # bad JSON or bad UTF-8: the file was damaged after the save
     raise _unreadable(f'params checkpoint at {directory}', error) from None
   if not isinstance(metadata, dict):
@@ -540,7 +553,7 @@ def params_shapes(directory: str) -> Any:
   directory = _require_params_checkpoint(directory)
   return jax.tree.map(
     lambda meta: jax.ShapeDtypeStruct(meta.shape, meta.dtype),
-    _tree_metadata(os.path.join(directory, _PARAMS_ITEM)),
+    _tree_metadata(directory / _PARAMS_ITEM),
   )
 
 
@@ -557,7 +570,7 @@ def restore_params_from(directory: str, abstract_params: Any) -> Any:
   """
   directory = _require_params_checkpoint(directory)
   where = f'params checkpoint at {directory}'
-  item_dir = os.path.join(directory, _PARAMS_ITEM)
+  item_dir = directory / _PARAMS_ITEM
   expected = _read_metadata_file(directory).get(_PARAMS_CHECKSUMS)
   try:
     stored = _tree_metadata(item_dir)

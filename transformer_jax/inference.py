@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from transformer_jax import decode, text_io
+from transformer_jax import decode, paths, text_io
 from transformer_jax.checkpointing import (
   Checkpointer,
   is_params_checkpoint,
@@ -31,6 +31,7 @@ from transformer_jax.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
 from transformer_jax.decode import strip_after_eos
 from transformer_jax.errors import UserInputError, is_integer, is_number
 from transformer_jax.models import Transformer
+from transformer_jax.progress import Progress
 from transformer_jax.workdir import Workdir
 
 
@@ -267,14 +268,20 @@ class Translator:
     return cls(model_config, params, tokenizer, batch_size)
 
   def translate(
-    self, sentences: Sequence[str], beam_size: int = 4, alpha: float = 0.6
+    self,
+    sentences: Sequence[str],
+    beam_size: int = 4,
+    alpha: float = 0.6,
+    *,
+    progress: bool = False,
   ) -> list[str]:
     """One translation per input sentence, in order. Empty input gives empty output.
 
     beam_size 1 is greedy decoding; otherwise beam search with the GNMT length penalty
     ((5 + len) / 6)^alpha (the paper: beam 4, alpha 0.6). Outputs are at most the source length
     + 50 tokens and at most the model's max_len, EOS counted on both sides. Sentences are sorted
-    by length into batches and returned in the original order.
+    by length into batches and returned in the original order. `progress`: reports sentences
+    translated, batch by batch, with rate and ETA (for files; see `progress.py`).
     """
     if isinstance(sentences, (str, bytes)):
       # A str is a sequence too: it would be translated character by character.
@@ -304,6 +311,15 @@ class Translator:
     order = sorted(
       (i for i, ids in enumerate(encoded) if ids is not None), key=lambda i: len(encoded[i])
     )
+
+    # Blank lines are translated already (to blank lines): counted from the start.
+    bar = Progress(
+      total=len(sentences),
+      initial=len(sentences) - len(order),
+      unit='sentences',
+      description='translating',
+      enabled=None if progress else False,
+    )
     for start in range(0, len(order), self.batch_size):
       rows = order[start : start + self.batch_size]
       source_length = _bucket(max(len(encoded[i]) for i in rows), max_len)
@@ -323,6 +339,8 @@ class Translator:
         # Greedy search runs to the batch's longest cap; each output keeps its own (the
         # cap counts the EOS, as beam search's does).
         outputs[index] = self.tokenizer.decode(ids[: max_lengths[row] - 1])
+      bar.update(len(rows))
+    bar.close()
     return outputs
 
   def attention(
@@ -425,9 +443,9 @@ def translate_text(
       print(translation, file=stdout, flush=True)
     return
   if input_path is not None:
-    with open(input_path, 'rb') as f:
+    with paths.resolve(input_path, '--input').open('rb') as f:
       lines = [text_io.decode_line(raw) for raw in f]
   else:
     lines = [text_io.decode_line(raw) for raw in stdin]
-  translations = translator.translate(lines, beam_size=beam_size, alpha=alpha)
+  translations = translator.translate(lines, beam_size=beam_size, alpha=alpha, progress=True)
   text_io.write_lines(translations, output_path, stdout)

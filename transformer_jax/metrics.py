@@ -48,12 +48,16 @@ def evaluate(
   *,
   beam_size: int = 4,
   alpha: float = 0.6,
+  progress: bool = False,
 ) -> tuple[list[str], dict]:
-  """(hypotheses, `score` of them plus 'seconds') for aligned sources and references."""
+  """(hypotheses, `score` of them plus 'seconds') for aligned sources and references.
+
+  progress: reports the sentences translated with rate and ETA (`Translator.translate`).
+  """
   if len(sources) != len(references):
     raise UserInputError(f'{len(sources)} source lines but {len(references)} reference lines')
   start = time.time()
-  hypotheses = translator.translate(sources, beam_size=beam_size, alpha=alpha)
+  hypotheses = translator.translate(sources, beam_size=beam_size, alpha=alpha, progress=progress)
   result = score(hypotheses, references)
   result['seconds'] = time.time() - start
   return hypotheses, result
@@ -78,7 +82,9 @@ def evaluate_files(
   if len(sources) != len(references):
     raise UserInputError(f'{src} has {len(sources)} lines but {ref} has {len(references)}')
   translator = Translator.from_checkpoint(workdir, checkpoint, batch_size)
-  hypotheses, result = evaluate(translator, sources, references, beam_size=beam_size, alpha=alpha)
+  hypotheses, result = evaluate(
+    translator, sources, references, beam_size=beam_size, alpha=alpha, progress=True
+  )
   out = out or Workdir(workdir).hypotheses_file(src, checkpoint, beam_size)
   text_io.write_lines(hypotheses, out)
   return dict(result, sentences=len(hypotheses), hypotheses_file=out)

@@ -10,24 +10,25 @@ from __future__ import annotations
 import os
 from typing import IO, Sequence
 
+from transformer_jax import paths
 from transformer_jax.errors import UserInputError
 
 
 def check_readable_file(path: str, flag: str | None = None) -> None:
   """A one-line error unless `path` exists and is not a directory (pipes are fine:
-  `--src=<(sacrebleu -t wmt14 ... --echo src)`)."""
-  name = f'{flag}={path}' if flag else path
-  if not os.path.exists(path):
+  `--src=<(sacrebleu -t wmt14 ... --echo src)`); local or gs://."""
+  name = f'{flag}={path}' if flag else str(path)
+  resolved = paths.resolve(path, flag or 'path')
+  if not resolved.exists():
     raise FileNotFoundError(f'{name}: no such file')
-  if os.path.isdir(path):
+  if resolved.is_dir():
     raise UserInputError(f'{name}: is a directory, not a text file')
 
 
-def read_lines(path: str) -> list[str]:
-  """Lines of a UTF-8 text file without their line endings (CRLF too)."""
-  check_readable_file(path)
-  with open(path, 'rb') as f:
-    data = f.read()
+def read_lines(path: str, flag: str | None = None) -> list[str]:
+  """Lines of a UTF-8 text file (local or gs://) without their line endings (CRLF too)."""
+  check_readable_file(path, flag)
+  data = paths.resolve(path, flag or 'path').read_bytes()
   try:
     text = data.decode('utf-8')
   except UnicodeDecodeError as error:
@@ -44,17 +45,15 @@ def decode_line(raw: bytes) -> str:
   return raw.decode('utf-8', errors='replace').rstrip('\r\n')
 
 
-def write_lines(lines: Sequence[str], path: str | None, stdout: IO[str] | None = None) -> None:
+def write_lines(
+  lines: Sequence[str], path: str | os.PathLike | None, stdout: IO[str] | None = None
+) -> None:
   """Writes one line per item (a newline inside an item becomes a space, so line N stays item
-  N) to `path`, replacing it only once complete, or to `stdout` when `path` is None."""
+  N) to `path` (local or gs://), replacing it only once complete, or to `stdout` when `path`
+  is None."""
   text = ''.join(line.replace('\n', ' ') + '\n' for line in lines)
   if path is None:
     stdout.write(text)
     stdout.flush()
     return
-  directory = os.path.dirname(os.path.abspath(path))
-  os.makedirs(directory, exist_ok=True)
-  tmp = path + '.tmp'
-  with open(tmp, 'w', encoding='utf-8') as f:
-    f.write(text)
-  os.replace(tmp, path)  # Never a half-written output file.
+  paths.write_atomically(paths.resolve(path, '--output'), text)

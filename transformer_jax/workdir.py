@@ -24,6 +24,9 @@ import fcntl
 import json
 import os
 
+from etils import epath
+
+from transformer_jax import paths
 from transformer_jax.errors import UserInputError
 
 _CONFIG_FILE = 'config.json'
@@ -39,90 +42,88 @@ _LOCK_FILE = '.lock'
 
 
 class Workdir:
-  """Paths inside one workdir (absolute), its lock, and its saved run config."""
+  """Paths inside one workdir (local and absolute, or gs://), its lock, and its saved config."""
 
-  def __init__(self, path: str):
-    if not path:
-      raise UserInputError('--workdir is empty: name a directory')
-    self.path = os.path.abspath(os.fspath(path))
+  def __init__(self, path: str | os.PathLike | epath.Path, flag: str = '--workdir'):
+    self.path = paths.resolve(path, flag)
 
   def __repr__(self) -> str:
-    return f'Workdir({self.path!r})'
+    return f'Workdir({str(self.path)!r})'
 
-  def _join(self, *names: str) -> str:
-    return os.path.join(self.path, *names)
-
-  @property
-  def config_file(self) -> str:
-    return self._join(_CONFIG_FILE)
+  def __str__(self) -> str:
+    return str(self.path)
 
   @property
-  def vocab_file(self) -> str:
-    return self._join(_VOCAB_FILE)
+  def is_remote(self) -> bool:
+    return paths.is_gcs(self.path)
 
   @property
-  def checkpoints(self) -> str:
-    return self._join(_CHECKPOINTS)
+  def config_file(self) -> epath.Path:
+    return self.path / _CONFIG_FILE
 
   @property
-  def averaged(self) -> str:
-    return self._join(_AVERAGED)
+  def vocab_file(self) -> epath.Path:
+    return self.path / _VOCAB_FILE
 
   @property
-  def damaged_checkpoints(self) -> str:
-    return self._join(_DAMAGED_CHECKPOINTS)
+  def checkpoints(self) -> epath.Path:
+    return self.path / _CHECKPOINTS
 
   @property
-  def tensorboard(self) -> str:
-    return self._join(_TENSORBOARD)
+  def averaged(self) -> epath.Path:
+    return self.path / _AVERAGED
 
   @property
-  def data(self) -> str:
+  def damaged_checkpoints(self) -> epath.Path:
+    return self.path / _DAMAGED_CHECKPOINTS
+
+  @property
+  def tensorboard(self) -> epath.Path:
+    return self.path / _TENSORBOARD
+
+  @property
+  def data(self) -> epath.Path:
     """Where prepared datasets go when the config does not name a data_dir."""
-    return self._join(_DATA)
+    return self.path / _DATA
 
-  def token_cache_file(self, dataset_name: str, split: str) -> str:
-    return self._join(_TOKEN_CACHE, f'{dataset_name.replace("/", "_")}-{split}.npz')
+  def token_cache_file(self, dataset_name: str, split: str) -> epath.Path:
+    return self.path / _TOKEN_CACHE / f'{dataset_name.replace("/", "_")}-{split}.npz'
 
-  def hypotheses_file(self, source_path: str, checkpoint: object, beam_size: int) -> str:
-    return self._join(
-      _HYPOTHESES, f'{os.path.basename(source_path)}.{checkpoint or "default"}.beam{beam_size}.txt'
-    )
+  def hypotheses_file(self, source_path: str, checkpoint: object, beam_size: int) -> epath.Path:
+    name = f'{epath.Path(source_path).name}.{checkpoint or "default"}.beam{beam_size}.txt'
+    return self.path / _HYPOTHESES / name
 
   def check_not_a_file(self) -> None:
-    if os.path.exists(self.path) and not os.path.isdir(self.path):
+    if self.path.exists() and not self.path.is_dir():
       raise UserInputError(f'--workdir={self.path} exists and is not a directory')
 
   def read_run_config(self) -> dict:
     """The saved {'config': ..., 'model': ...} of a trained workdir."""
-    if not os.path.exists(self.config_file):
+    saved = self.read_run_config_if_present()
+    if saved is None:
       raise FileNotFoundError(f'{self.config_file} not found: is {self.path} a training workdir?')
-    return self.read_run_config_if_present()
+    return saved
 
   def read_run_config_if_present(self) -> dict | None:
-    if not os.path.exists(self.config_file):
+    if not self.config_file.exists():
       return None
-    with open(self.config_file) as f:
-      try:
-        saved = json.load(f)
-      except json.JSONDecodeError as error:
-        raise UserInputError(f'{self.config_file}: not valid JSON ({error})') from None
+    try:
+      saved = json.loads(self.config_file.read_text())
+    except json.JSONDecodeError as error:
+      raise UserInputError(f'{self.config_file}: not valid JSON ({error})') from None
     if not isinstance(saved, dict):
       raise UserInputError(f'{self.config_file}: expected a JSON object')
     return saved
 
   def write_run_config(self, resolved: dict) -> None:
-    tmp = self.config_file + '.tmp'
-    with open(tmp, 'w') as f:
-      json.dump(resolved, f, indent=2, sort_keys=True)
-    os.replace(tmp, self.config_file)  # Never a half-written config.
+    paths.write_atomically(self.config_file, json.dumps(resolved, indent=2, sort_keys=True))
 
   def lock(self, process_index: int = 0) -> 'WorkdirLock':
     """The lock a training process holds: `with workdir.lock(jax.process_index()): ...`."""
     # Process 0 of a multi-process job takes the same lock as a single-process run; the
     # others (which may share the workdir on one machine) each take their own.
     name = _LOCK_FILE if process_index == 0 else f'{_LOCK_FILE}.process{process_index}'
-    return WorkdirLock(self._join(name))
+    return WorkdirLock(os.fspath(self.path / name))
 
 
 class WorkdirLock:

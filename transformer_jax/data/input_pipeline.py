@@ -9,6 +9,7 @@ every checkpoint so a resumed run sees exactly the batches an uninterrupted run 
 
 from __future__ import annotations
 
+import io
 import itertools
 import json
 import os
@@ -20,10 +21,12 @@ import ml_collections
 import numpy as np
 import tensorflow_datasets as tfds
 
+from transformer_jax import paths
 from transformer_jax.data import batching, number_words, text_dataset
 from transformer_jax.data.tokenizer import EOS_ID, Tokenizer
 from transformer_jax.errors import UserInputError
 from transformer_jax.metric_writers import log
+from transformer_jax.progress import progress
 from transformer_jax.workdir import Workdir
 
 Batch = dict[str, np.ndarray]
@@ -105,13 +108,15 @@ def load_or_train_tokenizer(
 ) -> Tokenizer:
   """The workdir's vocabulary if it exists (a resumed run), else a new one trained and saved."""
   path = workdir.vocab_file
-  if os.path.exists(path):
+  if path.exists():
     return Tokenizer.load(path)
   try:
     tokenizer = Tokenizer.train(
       training_sentences(train_source, config),
       vocab_size=config.vocab_size,
       model_type=config.vocab_model_type,
+      report=True,
+      total=2 * min(config.vocab_max_examples, len(train_source)),  # training_sentences' count
     )
   except RuntimeError as error:  # SentencePiece reports bad settings as RuntimeError.
     raise UserInputError(
@@ -164,7 +169,7 @@ class TokenizedSplit:
     source,
     tokenizer: Tokenizer,
     config: ml_collections.ConfigDict,
-    cache_path: str | None = None,
+    cache_path: str | os.PathLike | None = None,
     dataset_name: str = '',
   ) -> 'TokenizedSplit':
     """Loads `cache_path` if it was made from the same source and vocabulary, else tokenizes."""
@@ -177,24 +182,31 @@ class TokenizedSplit:
       },
       sort_keys=True,
     )
-    if cache_path and os.path.exists(cache_path):
-      with np.load(cache_path, allow_pickle=False) as cached:
+    cache_path = paths.local_or_remote(cache_path) if cache_path else None
+    if cache_path and cache_path.exists():
+      with cache_path.open('rb') as f, np.load(f, allow_pickle=False) as cached:
         if str(cached['fingerprint']) == fingerprint:
           return cls({name: cached[name] for name in cls._FIELDS})
+
     # Chunk by chunk, straight into int32 arrays: at WMT14 size (4.5M pairs) lists of Python
     # ints for a whole split would take ~10 GB; this keeps peak memory near the result's size.
     chunks = {'inputs': [], 'targets': []}
-    for chunk_start in range(0, len(source), _TOKENIZE_CHUNK):
-      examples = list(read_examples(source, chunk_start, chunk_start + _TOKENIZE_CHUNK))
-      for side, key in (('inputs', config.data.src_lang), ('targets', config.data.tgt_lang)):
-        ids = tokenizer.encode_batch([_text(example, key) for example in examples])
-        chunks[side].append(_flatten([sequence + [EOS_ID] for sequence in ids]))
+    name = cache_path.name.removesuffix('.npz') if cache_path else dataset_name
+    with progress(
+      total=len(source), unit='pairs', description=f'tokenizing {name or "split"}'
+    ) as bar:
+      for chunk_start in range(0, len(source), _TOKENIZE_CHUNK):
+        examples = list(read_examples(source, chunk_start, chunk_start + _TOKENIZE_CHUNK))
+        for side, key in (('inputs', config.data.src_lang), ('targets', config.data.tgt_lang)):
+          ids = tokenizer.encode_batch([_text(example, key) for example in examples])
+          chunks[side].append(_flatten([sequence + [EOS_ID] for sequence in ids]))
+        bar.update(len(examples))
     split = cls._from_chunks(chunks)
     if cache_path and jax.process_index() == 0:
-      os.makedirs(os.path.dirname(cache_path), exist_ok=True)
-      tmp = cache_path + '.tmp.npz'
-      np.savez(tmp, fingerprint=np.array(fingerprint), **split._arrays)
-      os.replace(tmp, cache_path)  # Atomic: a crash never leaves half a cache.
+      buffer = io.BytesIO()
+      np.savez(buffer, fingerprint=np.array(fingerprint), **split._arrays)
+      # Whole or not at all: a crash never leaves half a cache.
+      paths.write_atomically(cache_path, buffer.getvalue())
     return split
 
   @classmethod

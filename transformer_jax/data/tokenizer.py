@@ -5,11 +5,15 @@ from __future__ import annotations
 import hashlib
 import io
 import os
-from typing import Iterable, Sequence
+import time
+from typing import Iterable, Iterator, Sequence
 
 import sentencepiece as spm
 
+from transformer_jax import paths
 from transformer_jax.errors import UserInputError
+from transformer_jax.metric_writers import format_duration, log
+from transformer_jax.progress import progress
 
 PAD_ID, EOS_ID, BOS_ID, UNK_ID = 0, 1, 2, 3
 
@@ -37,11 +41,11 @@ class Tokenizer:
       )
 
   @classmethod
-  def load(cls, path: str) -> 'Tokenizer':
-    if not os.path.exists(path):
+  def load(cls, path: str | os.PathLike) -> 'Tokenizer':
+    path = paths.local_or_remote(path)
+    if not path.exists():
       raise FileNotFoundError(f'vocabulary not found: {path}')
-    with open(path, 'rb') as f:
-      return cls(f.read(), path)
+    return cls(path.read_bytes(), str(path))
 
   @classmethod
   def train(
@@ -52,9 +56,18 @@ class Tokenizer:
     model_type: str = 'bpe',
     character_coverage: float = 1.0,
     max_sentences: int = 1_000_000,
+    report: bool = False,
+    total: int | None = None,
   ) -> 'Tokenizer':
-    """Trains a shared vocabulary on `sentences` (both languages, in a fixed order)."""
+    """Trains a shared vocabulary on `sentences` (both languages, in a fixed order).
+
+    report: shows the sentences read (of `total`, if given) with rate and ETA, then that
+    SentencePiece trains, then how long it took (see `progress.py`; process 0 only).
+    """
     model = io.BytesIO()
+    if report:
+      sentences = _reported(sentences, total, max_sentences, vocab_size)
+    start = time.monotonic()
     spm.SentencePieceTrainer.train(
       sentence_iterator=iter(sentences),
       model_writer=model,
@@ -73,14 +86,14 @@ class Tokenizer:
       hard_vocab_limit=True,
       minloglevel=2,
     )
+    if report:
+      log(f'vocabulary trained in {format_duration(time.monotonic() - start)}')
     return cls(model.getvalue())
 
-  def save(self, path: str) -> None:
-    tmp = path + '.tmp'
-    with open(tmp, 'wb') as f:
-      f.write(self._processor.serialized_model_proto())
-    os.replace(tmp, path)  # Atomic: a crash never leaves half a vocabulary.
-    self.path = path
+  def save(self, path: str | os.PathLike) -> None:
+    # Whole or not at all: a crash never leaves half a vocabulary.
+    paths.write_atomically(path, self._processor.serialized_model_proto())
+    self.path = str(path)
 
   @property
   def fingerprint(self) -> str:
@@ -103,3 +116,37 @@ class Tokenizer:
 
   def pieces(self, ids: Sequence[int]) -> list[str]:
     return [self._processor.id_to_piece(int(i)) for i in ids]
+
+
+def _reported(
+  sentences: Iterable[str], total: int | None, max_sentences: int, vocab_size: int
+) -> Iterator[str]:
+  """`sentences` unchanged, counted as SentencePiece reads them; says when it starts training.
+
+  With shuffle_input_sentence off SentencePiece keeps the first `max_sentences` and asks for
+  one more before it stops reading: that request (or the end of the sentences) is the moment
+  reading ends and training begins.
+  """
+  bar = progress(
+    total=None if total is None else min(total, max_sentences),
+    unit='sentences',
+    description='vocabulary: reading sentences',
+  )
+  count = 0
+
+  def training_begins():
+    if not bar.closed:
+      bar.close()
+      log(f'training the {vocab_size}-piece vocabulary on {count:,} sentences')
+
+  try:
+    for sentence in sentences:
+      if count == max_sentences:
+        training_begins()  # SentencePiece reads this one, discards it and stops.
+      else:
+        count += 1
+        bar.update()
+      yield sentence
+    training_begins()
+  finally:
+    bar.close(final_line=False)  # A failure while reading: the bar ends, no 'done' line.
