@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 import jax
+from absl import logging
 
 
 @jax.custom_vjp
@@ -55,13 +56,27 @@ def contract(x, kernel, num_in_axes: int):
   )
 
 
+_logged = False  # Whether row_major_kernel_grads has logged its choice in this process.
+
+
 def row_major_kernel_grads() -> bool:
   """The switch for `_matmul_row_major_grads`: on for XLA:CPU only.
 
   GPU/TPU matmul units read transposed operands natively; an explicit transpose would only add
-  a memory pass and block fusion. Read at trace time (tests and bench/levers.py patch it).
+  a memory pass and block fusion. Read at trace time (tests and bench/levers.py patch it); the
+  first call in a process logs which kernel gradient the projections use.
   """
-  return jax.default_backend() == 'cpu'
+  backend = jax.default_backend()
+  row_major = backend == 'cpu'
+  global _logged
+  if not _logged:
+    _logged = True
+    logging.info(
+      'Projections: kernel gradients by %s (backend %s).',
+      'the row-major custom VJP, for XLA:CPU' if row_major else 'autodiff',
+      backend,
+    )
+  return row_major
 
 
 def project(x, kernel, num_in_axes: int):
