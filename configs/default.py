@@ -145,6 +145,11 @@ def get_config() -> ml_collections.ConfigDict:
   # malloc arena). Measured in bench/README.md, "Optimisations tried".
   config.reuse_host_memory = True
 
+  # A gs:// workdir's lock (one run per workdir) expires this many seconds after its holder's
+  # last heartbeat (one every quarter of it), so a killed run does not lock it forever; a
+  # local workdir's flock is released by the kernel instead.
+  config.lock_expiry_seconds = 600.0
+
   # --- Devices ----------------------------------------------------------------------------
   # Mesh shape over the axes ('data', 'fsdp', 'tensor'); one -1 = all remaining devices.
   # 'data': batch split, parameters replicated. 'fsdp': batch split and parameters/optimiser

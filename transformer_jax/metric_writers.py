@@ -15,14 +15,19 @@ from absl import logging
 
 
 class MetricWriter:
-  def __init__(self, logdir: str, enabled: bool | None = None):
+  """TensorBoard event files in `logdir`, local or gs:// (tensorboardX writes Cloud Storage
+  through google-cloud-storage, re-uploading the event file at each flush)."""
+
+  def __init__(self, logdir: str | os.PathLike, enabled: bool | None = None):
     self.enabled = jax.process_index() == 0 if enabled is None else enabled
     self._writer = None
     if self.enabled:
       # Imported lazily: tensorboardX pulls in protobuf machinery nobody else needs.
       from tensorboardX import SummaryWriter
 
-      os.makedirs(logdir, exist_ok=True)
+      logdir = os.fspath(logdir)
+      if not logdir.startswith('gs://'):  # Cloud Storage has no folders to create.
+        os.makedirs(logdir, exist_ok=True)
       self._writer = SummaryWriter(logdir=logdir)
 
   def write_scalars(self, step: int, scalars: dict[str, float]) -> None:

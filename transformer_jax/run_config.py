@@ -16,7 +16,7 @@ import json
 import jax
 import ml_collections
 
-from transformer_jax import sharding
+from transformer_jax import paths, sharding
 from transformer_jax.config import TransformerConfig
 from transformer_jax.errors import (
   UserInputError,
@@ -101,13 +101,10 @@ def _validate_data(config) -> None:
       'config.dataset=text needs config.data.dir: the directory holding '
       f'train.{config.data.src_lang} and train.{config.data.tgt_lang}'
     )
-  if str(config.data_dir).startswith('gs://'):
-    # Without this, riegeli fails deep inside the first read with "open() failed".
-    raise UserInputError(
-      f'config.data_dir={config.data_dir!r}: array_record cannot read from '
-      'gs:// (google/array_record#120); copy the prepared dataset to local '
-      'disk (`gcloud storage cp -r`) or mount the bucket with gcsfuse'
-    )
+  if config.data_dir:
+    paths.resolve(config.data_dir, 'config.data_dir')  # A scheme we cannot serve: refused.
+  if config.dataset == 'text':
+    paths.resolve(config.data.dir, 'config.data.dir')
 
 
 def _validate_model(config) -> None:
@@ -162,6 +159,7 @@ def _validate_loop(config) -> None:
   ):
     check_positive_integer(f'config.{name}', config[name])
   check_integer_at_least('config.eval_decode_examples', config.eval_decode_examples, 0)
+  check_number_at_least('config.lock_expiry_seconds', config.lock_expiry_seconds, 0, strict=True)
 
 
 def _validate_devices(config) -> None:

@@ -30,7 +30,7 @@ from transformer_jax.config import TransformerConfig
 from transformer_jax.data import batching, input_pipeline
 from transformer_jax.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
 from transformer_jax.decode import strip_after_eos
-from transformer_jax.errors import CorruptCheckpointError, NonFiniteError
+from transformer_jax.errors import CorruptCheckpointError, NonFiniteError, UserInputError
 from transformer_jax.losses import label_smoothed_cross_entropy
 from transformer_jax.metric_writers import MetricWriter, TrainingLog, format_duration, log
 from transformer_jax.models import Transformer
@@ -402,8 +402,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   workdir = Workdir(workdir)
   workdir.check_not_a_file()
   validate_run_config(config)
-  with workdir.lock(jax.process_index()), _PreemptionFlag() as preemption:
-    return _train_and_evaluate(config, workdir, preemption)
+  lock = workdir.lock(jax.process_index(), config.lock_expiry_seconds)
+  with lock, _PreemptionFlag() as preemption:
+    return _train_and_evaluate(config, workdir, preemption, lock)
 
 
 class _Run:
@@ -501,10 +502,12 @@ class _Run:
     self.writer.close()
 
 
-def _train_and_evaluate(config, workdir: Workdir, preemption: _PreemptionFlag) -> dict[str, float]:
+def _train_and_evaluate(
+  config, workdir: Workdir, preemption: _PreemptionFlag, lock
+) -> dict[str, float]:
   run = _Run(config, workdir)
   try:
-    return _loop(run, preemption, workdir)
+    return _loop(run, preemption, workdir, lock)
   finally:
     run.close()
 
@@ -513,7 +516,7 @@ def _every(step: int, interval: int, last_step: int) -> bool:
   return step % interval == 0 or step == last_step
 
 
-def _loop(run: _Run, preemption: _PreemptionFlag, workdir: Workdir) -> dict[str, float]:
+def _loop(run: _Run, preemption: _PreemptionFlag, workdir: Workdir, lock) -> dict[str, float]:
   config, trainer = run.config, run.trainer
   run_start = time.time()
   state = run.restore_or_init()
@@ -537,6 +540,11 @@ def _loop(run: _Run, preemption: _PreemptionFlag, workdir: Workdir) -> dict[str,
           'rate or inspect the data before resuming'
         )
     previous_metrics = step_metrics
+    if lock.lost:  # Another run took over a gs:// workdir's lock (gcs_lock.py): stop writing.
+      raise UserInputError(
+        f'{workdir}: another training process took over this workdir after this one was '
+        f'silent longer than its lock expiry; stopping at step {step} without saving'
+      )
     if _every(step, config.log_every_steps, config.num_train_steps):
       training_log.write(step, int(jax.device_get(state.skipped_steps)))
     if preemption.should_stop(step):

@@ -26,7 +26,7 @@ import os
 
 from etils import epath
 
-from transformer_jax import paths
+from transformer_jax import gcs_lock, paths
 from transformer_jax.errors import UserInputError
 
 _CONFIG_FILE = 'config.json'
@@ -118,16 +118,27 @@ class Workdir:
   def write_run_config(self, resolved: dict) -> None:
     paths.write_atomically(self.config_file, json.dumps(resolved, indent=2, sort_keys=True))
 
-  def lock(self, process_index: int = 0) -> 'WorkdirLock':
-    """The lock a training process holds: `with workdir.lock(jax.process_index()): ...`."""
+  def lock(
+    self, process_index: int = 0, expiry_seconds: float = gcs_lock.DEFAULT_EXPIRY_SECONDS
+  ) -> 'WorkdirLock | gcs_lock.GcsLock':
+    """The lock a training process holds: `with workdir.lock(jax.process_index()): ...`.
+
+    A local workdir: an `flock` (released by the kernel when the process dies). A gs://
+    workdir: an object with generation preconditions and a heartbeat, which a killed holder
+    stops, so it expires after `expiry_seconds` (see gcs_lock.py).
+    """
     # Process 0 of a multi-process job takes the same lock as a single-process run; the
     # others (which may share the workdir on one machine) each take their own.
     name = _LOCK_FILE if process_index == 0 else f'{_LOCK_FILE}.process{process_index}'
+    if self.is_remote:
+      return gcs_lock.GcsLock(os.fspath(self.path / name), expiry_seconds)
     return WorkdirLock(os.fspath(self.path / name))
 
 
 class WorkdirLock:
   """Context manager holding an exclusive lock file; refuses if another process holds it."""
+
+  lost = False  # An flock cannot be taken away while its process lives.
 
   def __init__(self, path: str):
     self.path = path

@@ -22,7 +22,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 
 from transformer_jax import paths
-from transformer_jax.data import batching, number_words, text_dataset
+from transformer_jax.data import batching, number_words, staging, text_dataset
 from transformer_jax.data.tokenizer import EOS_ID, Tokenizer
 from transformer_jax.errors import UserInputError
 from transformer_jax.metric_writers import log
@@ -45,8 +45,11 @@ def resolve_dataset(config: ml_collections.ConfigDict, data_dir: str) -> str:
     number_words.prepare(data_dir, config_name)
     return f'number_words/{config_name}'
   if name == 'text':
+    text_dir = paths.resolve(config.data.dir, 'config.data.dir')
+    if paths.is_gcs(text_dir):  # Read from a local copy, like a prepared dataset.
+      text_dir = staging.stage(text_dir.parent, text_dir.name) / text_dir.name
     src_paths, tgt_paths = text_dataset.text_paths(
-      config.data.dir, config.data.src_lang, config.data.tgt_lang
+      os.fspath(text_dir), config.data.src_lang, config.data.tgt_lang
     )
     return text_dataset.prepare_text_dataset(
       src_path_by_split=src_paths,
@@ -59,8 +62,23 @@ def resolve_dataset(config: ml_collections.ConfigDict, data_dir: str) -> str:
   return name
 
 
-def load_data_sources(config: ml_collections.ConfigDict, data_dir: str) -> dict[str, Any]:
-  """Random-access sources of every split of the (prepared) dataset, by split name."""
+def load_data_sources(
+  config: ml_collections.ConfigDict, data_dir: str | os.PathLike
+) -> dict[str, Any]:
+  """Random-access sources of every split of the (prepared) dataset, by split name.
+
+  A gs:// data_dir is read from a verified local copy (`staging.py`). The datasets this
+  package builds itself, when the bucket does not hold them (`prepare_data` puts them there),
+  are prepared straight into that local cache on each host.
+  """
+  data_dir = paths.resolve(data_dir, 'config.data_dir')
+  if paths.is_gcs(data_dir):
+    built_here = config.dataset == 'text' or config.dataset.split('/')[0] == 'number_words'
+    if built_here and (config.dataset == 'text' or not (data_dir / config.dataset).exists()):
+      data_dir = staging.local_data_dir(data_dir)
+    else:
+      data_dir = staging.stage(data_dir, config.dataset)
+  data_dir = os.fspath(data_dir)
   name = resolve_dataset(config, data_dir)
   try:
     sources = tfds.data_source(name, data_dir=data_dir, try_gcs=False)
