@@ -60,7 +60,9 @@ def _translator_workdir(tmp, config_json: bytes | None = b'{}', vocab: bytes | N
   return Translator.from_checkpoint(str(workdir))
 
 
-_VALID_MODEL = json.dumps({'model': TransformerConfig(vocab_size=8).to_dict()}).encode()
+_VALID_MODEL = json.dumps(
+  {'config': {}, 'model': TransformerConfig(vocab_size=8).to_dict()}
+).encode()
 
 # (case id, callable taking (tmp_path, data_dir), expected exception, regex the message matches)
 CASES = [
@@ -141,6 +143,44 @@ CASES = [
     lambda t, d: _translator_workdir(t, None),
     FileNotFoundError,
     r'config\.json not found',
+  ),
+  (
+    'config.json an empty object',
+    lambda t, d: _translator_workdir(t, b'{}'),
+    UserInputError,
+    r'config\.json: not a run config written by train\.py \(its "config" '
+    r'section is missing\)',
+  ),
+  (
+    'config.json a list',
+    lambda t, d: _translator_workdir(t, b'[]'),
+    UserInputError,
+    r'config\.json: expected a JSON object, got list',
+  ),
+  (
+    'config.json with a null model',
+    lambda t, d: _translator_workdir(t, b'{"config": {}, "model": null}'),
+    UserInputError,
+    r'config\.json: not a run config written by train\.py \(its "model" section is None\)',
+  ),
+  (
+    'config.json in UTF-16',
+    lambda t, d: _translator_workdir(t, '{}'.encode('utf-16')),
+    UserInputError,
+    r'config\.json: not UTF-8 text',
+  ),
+  (
+    'config.json a directory',
+    lambda t, d: (os.makedirs(t / 'w' / 'config.json'), _translator_workdir(t, None)),
+    UserInputError,
+    r'config\.json: is a directory, not the saved run config',
+  ),
+  (
+    'a corpus smaller than one batch',
+    lambda t, d: _train(t, d, per_device_batch_size=4096),
+    UserInputError,
+    r'only [0-9,]+ of the 2,000 training pairs fit max_source_length=24 / '
+    r'max_target_length=16, fewer than one batch \(4096\)',
   ),
   (
     'corrupt config.json',

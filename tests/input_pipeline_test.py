@@ -9,6 +9,7 @@ import pytest
 from transformer_jax.data import input_pipeline
 from transformer_jax.data.tokenizer import EOS_ID, Tokenizer
 from transformer_jax.errors import UserInputError
+from transformer_jax.workdir import Workdir
 
 from conftest import tiny_config
 
@@ -95,3 +96,19 @@ def test_train_iterator_state_resumes_and_names_a_changed_device_layout(data_dir
   two_by_one.set_state(one_by_two.get_state())
   with pytest.raises(UserInputError, match='written by a run on 2 devices, this one runs on 1'):
     input_pipeline.make_train_iterator(split, config).set_state(one_by_two.get_state())
+
+
+def test_a_stale_vocabulary_is_trained_again_unless_its_run_was_saved(data_dir, tmp_path):
+  # A vocab.model left by a run that failed before saving its config, with another size.
+  config = tiny_config(data_dir)
+  stale, sources = _tokenizer_and_sources(config, data_dir, vocab_size=60)
+  workdir = Workdir(str(tmp_path))
+  stale.save(workdir.vocab_file)
+  tokenizer = input_pipeline.load_or_train_tokenizer(config, workdir, sources['train'])
+  assert (stale.vocab_size, tokenizer.vocab_size) == (60, config.vocab_size)
+  assert Tokenizer.load(workdir.vocab_file).vocab_size == config.vocab_size  # Replaced.
+  # With the run saved, the workdir's vocabulary stays: resuming then names the changed field.
+  stale.save(workdir.vocab_file)
+  workdir.write_run_config({'config': {'vocab_size': 60}, 'model': {}})
+  kept = input_pipeline.load_or_train_tokenizer(config, workdir, sources['train'])
+  assert kept.vocab_size == 60

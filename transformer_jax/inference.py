@@ -244,8 +244,6 @@ class Translator:
     check_decoding_options(batch_size=batch_size)
     workdir = Workdir(workdir)
     saved = workdir.read_run_config()
-    if not isinstance(saved.get('model'), dict):
-      raise UserInputError(f'{workdir.config_file}: has no "model" section')
     model_config = TransformerConfig.from_dict(saved['model'])
     if model_config.attention_impl == 'cudnn' and jax.default_backend() != 'gpu':
       # Trained with the GPU kernel: the same parameters translate anywhere through XLA's.

@@ -105,14 +105,27 @@ class Workdir:
     return saved
 
   def read_run_config_if_present(self) -> dict | None:
+    """The saved run config, None if there is none; anything else in its place is refused."""
     if not self.config_file.exists():
       return None
+    if self.config_file.is_dir():
+      raise UserInputError(f'{self.config_file}: is a directory, not the saved run config')
     try:
       saved = json.loads(self.config_file.read_text())
     except json.JSONDecodeError as error:
       raise UserInputError(f'{self.config_file}: not valid JSON ({error})') from None
+    except ValueError:  # Not UTF-8 (e.g. saved as UTF-16 by an editor).
+      raise UserInputError(f'{self.config_file}: not UTF-8 text') from None
     if not isinstance(saved, dict):
-      raise UserInputError(f'{self.config_file}: expected a JSON object')
+      raise UserInputError(
+        f'{self.config_file}: expected a JSON object, got {type(saved).__name__}'
+      )
+    for section in ('config', 'model'):
+      if not isinstance(saved.get(section), dict):
+        raise UserInputError(
+          f'{self.config_file}: not a run config written by train.py (its "{section}" '
+          f'section is {"missing" if section not in saved else repr(saved[section])})'
+        )
     return saved
 
   def write_run_config(self, resolved: dict) -> None:

@@ -124,10 +124,21 @@ def training_sentences(source, config: ml_collections.ConfigDict) -> Iterator[st
 def load_or_train_tokenizer(
   config: ml_collections.ConfigDict, workdir: Workdir, train_source
 ) -> Tokenizer:
-  """The workdir's vocabulary if it exists (a resumed run), else a new one trained and saved."""
+  """The workdir's vocabulary if it exists (a resumed run), else a new one trained and saved.
+
+  A vocabulary of another size than config.vocab_size is kept only by a workdir whose run was
+  saved (resuming then refuses the changed field, naming it); one left by a run that failed
+  before saving its config is stale, and is trained again.
+  """
   path = workdir.vocab_file
   if path.exists():
-    return Tokenizer.load(path)
+    tokenizer = Tokenizer.load(path)
+    if tokenizer.vocab_size == config.vocab_size or workdir.read_run_config_if_present():
+      return tokenizer
+    log(
+      f'{path} has {tokenizer.vocab_size} pieces but config.vocab_size={config.vocab_size}, and '
+      'no run was saved in this workdir: training a new vocabulary'
+    )
   try:
     tokenizer = Tokenizer.train(
       training_sentences(train_source, config),
@@ -319,6 +330,9 @@ def make_fixed_iterator(
   eligible = np.flatnonzero(
     (source_lengths <= config.max_source_length) & (target_lengths <= config.max_target_length)
   )
+  # Each process needs one whole batch of its slice, or the iterator would end at once.
+  if len(eligible) // process_count < batch_size:
+    raise _too_few_pairs(config, len(eligible), len(source), batch_size * process_count)
   dataset = (
     grain.MapDataset.source(_Subset(source, eligible))
     .slice(slice(process_index, None, process_count))
@@ -372,6 +386,15 @@ class TrainIterator:
     self._iterator.set_state(state['position'])
 
 
+def _too_few_pairs(config, usable: int, total: int, batch: str | int) -> UserInputError:
+  return UserInputError(
+    f'only {usable:,} of the {total:,} training pairs fit max_source_length='
+    f'{config.max_source_length} / max_target_length={config.max_target_length}, fewer than '
+    f'one batch ({batch}): add data, raise the maximum lengths, or lower '
+    f'config.per_device_batch_size / tokens_per_batch'
+  )
+
+
 def _describe_layout(layout: dict[str, Any]) -> str:
   if 'devices' in layout:
     return f'{layout["devices"]} devices'
@@ -423,6 +446,8 @@ def make_train_iterator(
     )
   if config.batching == 'tokens':
     iterator, plan = batching.make_token_budget_iterator(split, max_length=max_length, **planned)
+    if not plan.epoch(0):
+      raise _too_few_pairs(config, len(plan.eligible), len(split), 'as planned')
     log(
       f'token-budget batches: buckets {plan.buckets}, rows {plan.rows}, '
       f'{len(plan.epoch(0))} batches per epoch, padding {plan.padding_fraction(0):.1%}, '
@@ -430,6 +455,8 @@ def make_train_iterator(
     )
   elif config.batching == 'packed':
     iterator, plan = batching.make_packed_iterator(split, length=max_length, **planned)
+    if not plan.epoch(0):
+      raise _too_few_pairs(config, len(plan.eligible), len(split), 'as planned')
     log(
       f'packed batches: {plan.rows} rows of {max_length} tokens, {len(plan.epoch(0))} batches '
       f'per epoch, {plan.examples_per_row(0):.2f} pairs per row, padding '
