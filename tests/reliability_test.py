@@ -480,3 +480,28 @@ def test_resume_with_another_dropout_key_is_not_the_uninterrupted_run(
   # Dropout reaches every gradient, so nearly every tensor moves, not one or two.
   total = len(jax.tree.leaves(want))
   assert len(differing) > total // 2, f'{len(differing)} of {total} tensors differ: {differing}'
+
+
+def test_a_checkpoint_of_another_model_is_refused_not_moved_aside(tmp_path, data_dir, straight_run):
+  # The saved config that would refuse the change is gone (deleted by hand, or a checkpoint
+  # copied in): the checkpoints are intact but hold another model's parameters.
+  workdir = str(tmp_path / 'other')
+  shutil.copytree(straight_run, workdir)
+  os.remove(os.path.join(workdir, 'config.json'))
+  config = tiny_config(data_dir)
+  config.model.d_ff = 128
+  config.num_train_steps = 12
+  with pytest.raises(UserInputError) as raised:
+    train_lib.train_and_evaluate(config, workdir)
+  message = str(raised.value)
+  assert (
+    message.startswith(
+      f'checkpoint step 8 at {workdir}/checkpoints/8: its parameters do not match this model: '
+    )
+    and '\n' not in message
+  ), message
+  assert message.endswith(
+    'decoder_layers/ffn/wi/bias has shape (1, 64), the model expects (1, 128)'
+  )
+  assert sorted(os.listdir(os.path.join(workdir, 'checkpoints'))) == ['4', '8']  # Kept.
+  assert not os.path.exists(os.path.join(workdir, 'damaged_checkpoints'))

@@ -119,7 +119,7 @@ def test_a_cudnn_trained_model_translates_on_cpu_through_xla_attention(tmp_path)
 
   reference = _translator()
   cudnn_config = reference.model_config.replace(attention_impl='cudnn', dtype='bfloat16')
-  (tmp_path / 'config.json').write_text(json.dumps({'model': cudnn_config.to_dict()}))
+  (tmp_path / 'config.json').write_text(json.dumps({'config': {}, 'model': cudnn_config.to_dict()}))
   reference.tokenizer.save(str(tmp_path / 'vocab.model'))
   os.makedirs(tmp_path / 'checkpoints')
   save_params(Workdir(str(tmp_path)).averaged, reference.params)

@@ -171,6 +171,8 @@ class Checkpointer:
     for the returned state.
     """
     step = self._resolve_step(step)
+    if hasattr(abstract_state, 'params'):
+      self._check_params_fit(step, abstract_state.params)
     try:
       restored = self._manager.restore(
         step,
@@ -222,6 +224,22 @@ class Checkpointer:
     self._manager.reload()  # orbax caches the list of steps.
     return destination
 
+  def _check_params_fit(self, step: int, abstract_params: Any) -> None:
+    """A one-line UserInputError if the step's saved params are another model's (another
+    size or layout): such a checkpoint is intact, so it is neither reported as damaged nor
+    moved aside, and orbax is never asked to restore it (its failing threads print
+    tracebacks)."""
+    try:
+      stored = _tree_metadata(self._state_dir(step))
+    except Exception as error:  # orbax/tensorstore raise many types; all mean "unreadable".
+      raise self._corrupt(step, error) from None
+    if isinstance(stored, dict) and isinstance(stored.get('params'), dict):
+      _check_matches(
+        f'checkpoint step {step} at {self.directory / str(step)}',
+        stored['params'],
+        abstract_params,
+      )
+
   def _corrupt(self, step: int, error: Exception) -> CorruptCheckpointError:
     first_line = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
     return CorruptCheckpointError(
@@ -251,6 +269,7 @@ class Checkpointer:
     TrainState's `params` field.
     """
     step = self._resolve_step(step)
+    self._check_params_fit(step, abstract_params)
     item_dir = self._state_dir(step)
     target = {'params': abstract_params}
     restore_args = ocp.checkpoint_utils.construct_restore_args(target)
@@ -410,7 +429,7 @@ def _check_matches(directory: str, stored: Any, target: Any) -> None:
       break
   if problems:
     raise UserInputError(
-      f'{directory}: saved parameters do not match the model: {"; ".join(problems)}'
+      f'{directory}: its parameters do not match this model: {"; ".join(problems)}'
     )
 
 

@@ -57,6 +57,13 @@ def check_gcs_support(flag: str, text: str) -> None:
     raise UserInputError(
       f"{flag}={text}: gs:// paths need Cloud Storage support: pip install -e '.[gcs]'"
     )
+  if importlib.util.find_spec('fsspec') is not None:
+    import fsspec.config  # pylint: disable=g-import-not-at-top
+
+    # gcsfs caches folder listings per process: a checkpoint or lock written by tensorstore,
+    # google-cloud-storage or another process would stay invisible to exists() and listdir.
+    for protocol in ('gcs', 'gs'):
+      fsspec.config.conf.setdefault(protocol, {}).setdefault('use_listings_cache', False)
 
 
 def write_atomically(path: epath.Path, data: bytes | str) -> None:
