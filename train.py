@@ -13,7 +13,13 @@ from transformer_jax.configs import default_config_file
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string('workdir', None, 'Directory for checkpoints, vocabulary, config and logs.')
-cli.define_config_flag(default_config_file(), 'Training configuration file.')
+cli.define_config_flag(
+  default_config_file(),
+  'Training config file, default configs/default.py, which comments every field. Override any '
+  'field with --config.FIELD=VALUE, e.g. --config.num_train_steps=100 or '
+  '--config.model.d_model=256.',
+)
+flags.declare_key_flag('config')  # Listed by --help, not only by --helpfull.
 flags.DEFINE_string(
   'coordinator_address',
   None,

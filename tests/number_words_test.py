@@ -191,3 +191,10 @@ def test_builder_metadata(tiny_dir):
 def test_tensorflow_not_imported(tiny_dir):
   del tiny_dir  # Ensures preparation has run in this process.
   assert 'tensorflow' not in sys.modules
+
+
+def test_preparing_says_it_generates_and_prints_no_download_line(tmp_path, capsys, caplog):
+  caplog.set_level('INFO')
+  nw.prepare(str(tmp_path), 'tiny')
+  assert 'Downloading' not in capsys.readouterr().out
+  assert 'generating number_words/tiny: 2,000/200/200 train/validation/test pairs' in caplog.text

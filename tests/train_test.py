@@ -370,3 +370,11 @@ def test_resuming_on_a_different_device_count_is_refused(trained_workdir, tmp_pa
     'interrupted run was training on. Resume on the same devices, or start a new --workdir'
   )
   assert sorted(os.listdir(os.path.join(workdir, 'checkpoints'))) == ['3', '6']  # Untouched.
+
+
+def test_help_lists_the_config_flag_and_exits_zero(tmp_path):
+  result = _run([os.path.join(REPO_ROOT, 'train.py'), '--help'], cwd=tmp_path)
+  assert result.returncode == 0, result.stderr.decode()[-2000:]
+  help_text = result.stdout.decode()
+  assert '--config: Training config file, default configs/default.py, which comments' in help_text
+  assert '--workdir:' in help_text

@@ -52,8 +52,21 @@ def run(main: Callable[[list[str]], None], *, config_flag: bool = False) -> None
   app.run(main_with_exit_codes, flags_parser=parse_flags if config_flag else _parse_plain)
 
 
+_HELP_FLAGS = ('--help', '-h', '-?', '--helpshort', '--helpfull', '--helpxml')
+
+
+def _help_exits_zero(parse: Callable[[list[str]], list[str]], argv: list[str]) -> list[str]:
+  """absl exits 1 after printing --help; asking for help is not an error."""
+  try:
+    return parse(argv)
+  except SystemExit as exit_:
+    if exit_.code == 1 and any(arg.split('=')[0] in _HELP_FLAGS for arg in argv[1:]):
+      sys.exit(0)
+    raise
+
+
 def _parse_plain(argv: list[str]) -> list[str]:
-  return app.parse_flags_with_usage(argv)
+  return _help_exits_zero(app.parse_flags_with_usage, argv)
 
 
 def define_config_flag(default: str, help_text: str, lock_config: bool = True) -> None:
@@ -73,7 +86,7 @@ def define_config_flag(default: str, help_text: str, lock_config: bool = True) -
 def parse_flags(argv: list[str]) -> list[str]:
   """absl's flag parsing, with the config errors above as one line (for `app.run`)."""
   try:
-    return app.parse_flags_with_usage(argv)
+    return _help_exits_zero(app.parse_flags_with_usage, argv)
   except _CONFIG_FLAG_ERRORS as error:
     exit_with_error(config_flag_message(error))
 

@@ -14,6 +14,7 @@ import hashlib
 
 import numpy as np
 import tensorflow_datasets as tfds
+from absl import logging
 
 MAX_NUMBER = 999_999_999
 SPLITS = ('train', 'validation', 'test')
@@ -213,6 +214,22 @@ class NumberWordsConfig(tfds.core.BuilderConfig):
 
 class NumberWords(tfds.core.GeneratorBasedBuilder):
   """English number words -> German number words, generated offline."""
+
+  # tfds prints 'Downloading and preparing dataset Unknown size ...' to stdout for every
+  # builder; nothing is downloaded here, so say what happens instead.
+  def _log_download_bytes(self) -> None:
+    config = self.builder_config
+    logging.info(
+      'generating number_words/%s: %s/%s/%s train/validation/test pairs into %s',
+      config.name,
+      f'{config.train_size:,}',
+      f'{config.validation_size:,}',
+      f'{config.test_size:,}',
+      self.data_dir,
+    )
+
+  def _log_download_done(self) -> None:
+    logging.info('number_words/%s prepared in %s', self.builder_config.name, self.data_dir)
 
   VERSION = tfds.core.Version('1.0.0')
   RELEASE_NOTES = {'1.0.0': 'Initial release.'}
