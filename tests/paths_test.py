@@ -56,3 +56,9 @@ def test_write_atomically_replaces_whole_files(tmp_path):
   paths.write_atomically(target, b'two')
   assert target.read_bytes() == b'two'
   assert sorted(os.listdir(target.parent)) == ['f.txt']  # No temporary file left.
+
+
+def test_default_hypotheses_files_are_named_by_every_decoding_option(tmp_path):
+  workdir = Workdir(str(tmp_path))
+  names = {workdir.hypotheses_file('data/test.en', None, 4, alpha).name for alpha in (0.6, 1.5)}
+  assert names == {'test.en.default.beam4.alpha0.6.txt', 'test.en.default.beam4.alpha1.5.txt'}

@@ -4,10 +4,17 @@
 One panel per layer (rows) and head (columns); queries on the vertical axis, keys on the
 horizontal one. For `cross` (the default) the target pieces are the rows and the source pieces
 the columns. Without --target the model's own beam-search translation is used.
+
+The image is drawn in memory and written like the other commands' outputs (`text_io`): --out is
+checked before the checkpoint is restored, a symlink is written through, a pipe in place.
 """
 
 from __future__ import annotations
 
+import io
+import os
+
+from transformer_jax import text_io
 from transformer_jax.errors import UserInputError
 from transformer_jax.inference import AttentionMaps, Translator
 
@@ -20,14 +27,10 @@ KINDS = {
 
 
 def plot(maps: AttentionMaps, kind: str, out: str, layers: list[int] | None = None) -> str:
-  """Writes the heatmaps of one kind of attention to `out` (any format matplotlib knows)."""
-  try:
-    import matplotlib  # pylint: disable=g-import-not-at-top
-  except ImportError:
-    raise UserInputError("plotting needs matplotlib: pip install -e '.[plot]'") from None
-  matplotlib.use('Agg')  # Files only; no display needed.
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-
+  """Writes the heatmaps of one kind of attention to `out` (any format matplotlib knows, by
+  its extension; PNG without one)."""
+  plt = _pyplot()
+  image_format = check_image_format(out)
   if kind not in KINDS:
     raise UserInputError(f'--kind={kind!r}: expected one of {", ".join(KINDS)}')
   field, query_field, key_field, title = KINDS[kind]
@@ -64,9 +67,37 @@ def plot(maps: AttentionMaps, kind: str, out: str, layers: list[int] | None = No
       axis.set_title(f'layer {layer}, head {head + 1}', fontsize=8)
   figure.suptitle(title)
   figure.tight_layout()
-  figure.savefig(out, dpi=100)
+  image = io.BytesIO()
+  figure.savefig(image, format=image_format, dpi=100)
   plt.close(figure)
+  text_io.write_output(out, image.getvalue(), '--out')
   return out
+
+
+def _pyplot():
+  try:
+    import matplotlib  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    raise UserInputError("plotting needs matplotlib: pip install -e '.[plot]'") from None
+  matplotlib.use('Agg')  # Files only; no display needed.
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
+  return plt
+
+
+def check_image_format(out: str) -> str:
+  """The image format `out`'s extension names (png without one), or a one-line error."""
+  _pyplot()
+  from matplotlib.backend_bases import FigureCanvasBase  # pylint: disable=g-import-not-at-top
+
+  extension = os.path.splitext(os.fspath(out))[1][1:].lower()
+  supported = FigureCanvasBase.get_supported_filetypes()
+  if extension and extension not in supported:
+    raise UserInputError(
+      f'--out={out}: cannot draw .{extension} images; use one of '
+      + ', '.join(f'.{name}' for name in sorted(supported))
+    )
+  return extension or 'png'
 
 
 def plot_translation(
@@ -85,6 +116,9 @@ def plot_translation(
   given, and draws one kind of attention to `out`. Returns (the maps, the target used)."""
   if kind not in KINDS:
     raise UserInputError(f'--kind={kind!r}: expected one of {", ".join(KINDS)}')
+  # Before the checkpoint is restored: a wrong --out costs seconds, not a translation.
+  check_image_format(out)
+  text_io.check_writable_output(out, '--out')
   translator = Translator.from_checkpoint(workdir, checkpoint)
   if target is None:
     target = translator.translate([text], beam_size, alpha)[0]

@@ -35,13 +35,18 @@ import uuid
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
 from transformer_jax import paths
-from transformer_jax.errors import CorruptCheckpointError, UserInputError
+from transformer_jax.checkpoint_checks import (
+  check_matches,
+  checksums,
+  leaves_by_name,
+  verify_leaves,
+)
+from transformer_jax.errors import CorruptCheckpointError
 
 _STATE = 'state'
 _DATA = 'data'
@@ -49,37 +54,6 @@ _DATA = 'data'
 # compressed chunks do not detect every damaged byte (a flipped byte restored silently with
 # wrong values in a test with 0.12.8), so restore() verifies these.
 _CHECKSUMS = '_checksums'
-
-
-def _path_name(path) -> str:
-  return '/'.join(str(getattr(k, 'key', getattr(k, 'name', getattr(k, 'idx', k)))) for k in path)
-
-
-@jax.jit
-def _leaf_checksums(tree):
-  """Two uint32 sums of each leaf's bit patterns: plain and position-weighted (catches swaps)."""
-
-  def checksum(x):
-    x = jnp.asarray(x)
-    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-      x = jax.random.key_data(x)
-    if x.dtype == jnp.bool_:
-      x = x.astype(jnp.uint8)
-    unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize]
-    bits = jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32).reshape(-1)
-    weights = (jnp.arange(bits.size, dtype=jnp.uint32) % 65521) + 1
-    return jnp.stack([jnp.sum(bits, dtype=jnp.uint32), jnp.sum(bits * weights, dtype=jnp.uint32)])
-
-  return jax.tree_util.tree_map(checksum, tree)
-
-
-def checksums(tree) -> dict[str, list[int]]:
-  """{leaf path: [sum, weighted sum]} of a pytree's arrays (JSON-able)."""
-  sums = jax.device_get(_leaf_checksums(tree))
-  return {
-    _path_name(path): [int(v) for v in value]
-    for path, value in jax.tree_util.tree_flatten_with_path(sums)[0]
-  }
 
 
 # Layout of a params-only checkpoint (save_params / restore_params_from).
@@ -234,7 +208,7 @@ class Checkpointer:
     except Exception as error:  # orbax/tensorstore raise many types; all mean "unreadable".
       raise self._corrupt(step, error) from None
     if isinstance(stored, dict) and isinstance(stored.get('params'), dict):
-      _check_matches(
+      check_matches(
         f'checkpoint step {step} at {self.directory / str(step)}',
         stored['params'],
         abstract_params,
@@ -319,7 +293,7 @@ class Checkpointer:
     except Exception as error:  # orbax/tensorstore raise many types; all mean "unreadable".
       raise self._corrupt(step, error) from None
     step_dir = self.directory / str(step)
-    _verify_leaves(
+    verify_leaves(
       f'checkpoint step {step} at {step_dir}',
       restored['params'],
       _step_checksums(step_dir),
@@ -361,24 +335,6 @@ def _tree_metadata(item_dir: Any) -> Any:
   return getattr(metadata, 'tree', metadata)
 
 
-def _verify_leaves(where: str, tree: Any, expected: dict | None, prefix: str = '') -> None:
-  """CorruptCheckpointError if a leaf of `tree` differs from its checksum in `expected`.
-
-  `where` starts the message ('params checkpoint at DIR', 'checkpoint step N at DIR/N');
-  `prefix` is prepended to each leaf's path before looking it up (step checkpoints record the
-  whole state, so their params are under 'params/'). Leaves without a recorded checksum are
-  skipped, as is everything when `expected` is None: written before checksums existed.
-  """
-  if expected is None:
-    return
-  for name, value in checksums(tree).items():
-    name = prefix + name
-    if name in expected and expected[name] != value:
-      raise CorruptCheckpointError(
-        f'{where} is damaged: {name} does not match the checksum written with it'
-      )
-
-
 def _unreadable(where: str, error: Exception) -> CorruptCheckpointError:
   """One-line CorruptCheckpointError for a checkpoint orbax/tensorstore could not read."""
   # Same wording as Checkpointer._corrupt; tensorstore messages run to many lines of JSON spec.
@@ -397,40 +353,6 @@ def _step_checksums(step_dir: epath.Path) -> dict | None:
     return json.loads(data_file.read_text()).get(_CHECKSUMS)
   except (OSError, ValueError, AttributeError) as error:  # AttributeError: JSON not a dict
     raise _unreadable(f'checkpoint step {step_dir.name} at {step_dir}', error) from None
-
-
-def _leaves_by_name(tree: Any) -> dict[str, Any]:
-  flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-  return {jax.tree_util.keystr(path, simple=True, separator='/'): leaf for path, leaf in flat}
-
-
-def _check_matches(directory: str, stored: Any, target: Any) -> None:
-  """One-line UserInputError if the stored params do not fit `target`."""
-  stored, target = _leaves_by_name(stored), _leaves_by_name(target)
-  problems = []
-  missing = sorted(set(target) - set(stored))
-  unexpected = sorted(set(stored) - set(target))
-  if missing:
-    problems.append(
-      f'missing {", ".join(missing[:3])}'
-      + (f' (+{len(missing) - 3} more)' if len(missing) > 3 else '')
-    )
-  if unexpected:
-    problems.append(
-      f'unexpected {", ".join(unexpected[:3])}'
-      + (f' (+{len(unexpected) - 3} more)' if len(unexpected) > 3 else '')
-    )
-  for name in sorted(set(stored) & set(target)):
-    if tuple(stored[name].shape) != tuple(target[name].shape):
-      problems.append(
-        f'{name} has shape {tuple(stored[name].shape)}, the '
-        f'model expects {tuple(target[name].shape)}'
-      )
-      break
-  if problems:
-    raise UserInputError(
-      f'{directory}: its parameters do not match this model: {"; ".join(problems)}'
-    )
 
 
 # Reserved key in metadata.json under which save_params records a checksum of every params
@@ -595,10 +517,10 @@ def restore_params_from(directory: str, abstract_params: Any) -> Any:
     stored = _tree_metadata(item_dir)
   except Exception as error:  # orbax/tensorstore raise many types; all mean "unreadable".
     raise _unreadable(where, error) from None
-  _check_matches(directory, stored, abstract_params)  # outside the try: a UserInputError
+  check_matches(directory, stored, abstract_params)  # outside the try: a UserInputError
   # The checksums are of the arrays as saved, so read them in their stored dtype (into the
   # target shardings), verify, and only then cast to the dtypes asked for.
-  stored_dtypes = {name: meta.dtype for name, meta in _leaves_by_name(stored).items()}
+  stored_dtypes = {name: meta.dtype for name, meta in leaves_by_name(stored).items()}
   read_as = jax.tree_util.tree_map_with_path(
     lambda path, leaf: jax.ShapeDtypeStruct(
       leaf.shape,
@@ -612,7 +534,7 @@ def restore_params_from(directory: str, abstract_params: Any) -> Any:
       restored = reader.restore(item_dir, read_as)
   except Exception as error:  # orbax/tensorstore raise many types; all mean "unreadable".
     raise _unreadable(where, error) from None
-  _verify_leaves(where, restored, expected)
+  verify_leaves(where, restored, expected)
   return jax.tree.map(
     lambda x, leaf: x if x.dtype == leaf.dtype else x.astype(leaf.dtype), restored, abstract_params
   )

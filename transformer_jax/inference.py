@@ -433,6 +433,8 @@ def translate_text(
   check_decoding_options(beam_size, alpha, batch_size)
   if input_path is not None:
     text_io.check_readable_file(input_path, '--input')
+  if output_path is not None:  # Before any work: translations with nowhere to go are lost.
+    text_io.check_writable_output(output_path, '--output')
   translator = Translator.from_checkpoint(workdir, checkpoint, batch_size)
   if input_path is None and stdin.isatty():
     print('Type a sentence and press Enter (Ctrl-D to quit).', file=sys.stderr)

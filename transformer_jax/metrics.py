@@ -78,13 +78,18 @@ def evaluate_files(
   (to `out`, default in the workdir); returns `score`'s dict plus 'seconds', 'sentences' and
   'hypotheses_file' (the file written)."""
   check_decoding_options(beam_size, alpha, batch_size)
-  sources, references = text_io.read_lines(src), text_io.read_lines(ref)
+  sources, references = text_io.read_lines(src, '--src'), text_io.read_lines(ref, '--ref')
   if len(sources) != len(references):
     raise UserInputError(f'{src} has {len(sources)} lines but {ref} has {len(references)}')
+  # Before the test set is translated: the hypotheses must have somewhere to go.
+  if out:
+    text_io.check_writable_output(out, '--out')
+  else:
+    out = Workdir(workdir).hypotheses_file(src, checkpoint, beam_size, alpha)
+    text_io.check_writable_output(out, '--out', make_folders=True)
   translator = Translator.from_checkpoint(workdir, checkpoint, batch_size)
   hypotheses, result = evaluate(
     translator, sources, references, beam_size=beam_size, alpha=alpha, progress=True
   )
-  out = out or Workdir(workdir).hypotheses_file(src, checkpoint, beam_size)
-  text_io.write_lines(hypotheses, out)
+  text_io.write_lines(hypotheses, out, flag='--out')
   return dict(result, sentences=len(hypotheses), hypotheses_file=out)

@@ -8,15 +8,21 @@ orbax and tensorstore write checkpoints there themselves.
 
 `write_atomically` gives one write semantics on both: a reader never sees a half-written file
 (locally: a temporary file renamed into place; on GCS an object appears only once its upload
-completes).
+completes). `write_output` is that for a command's output flag, without damaging what the path
+is: a symlink is written through (its target replaced whole, the link kept), and a named pipe,
+a terminal, `/dev/stdout` or bash's `>(gzip > out.gz)` (`/dev/fd/63`) is written in place.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import importlib.util
 import os
 import re
 import shutil
+import stat
+import sys
 import uuid
 
 from etils import epath
@@ -79,6 +85,91 @@ def write_atomically(path: epath.Path, data: bytes | str) -> None:
   with tmp.open(mode) as f:
     f.write(data)
   os.replace(tmp, path)
+
+
+_STANDARD_STREAMS = {'/dev/stdin': 0, '/dev/stdout': 1, '/dev/stderr': 2}
+_MAX_SYMLINKS = 40  # Linux's limit on links followed in one path.
+
+
+def output_destination(path: str | os.PathLike) -> tuple[str, int | None]:
+  """Where writing to the local `path` lands: `(final path, None)` after following symlinks (a
+  chain of them too, or one whose target does not exist yet), or `(path, N)` for file
+  descriptor N of this process, named as /dev/stdout, /dev/stderr, /dev/fd/N or
+  /proc/self/fd/N (bash's process substitution `>(...)` passes /dev/fd/N). OSError (ELOOP,
+  EACCES) when the links cannot be followed."""
+  current = os.path.abspath(os.fspath(path))
+  for _ in range(_MAX_SYMLINKS):
+    descriptor = _file_descriptor(current)
+    if descriptor is not None:
+      return current, descriptor
+    try:
+      target = os.readlink(current)
+    except OSError as error:
+      if error.errno in (errno.EINVAL, errno.ENOENT, errno.ENOTDIR):
+        return current, None  # Not a link, or nothing there yet.
+      raise
+    # A relative target is relative to the link's real folder ('..' included).
+    current = os.path.join(os.path.realpath(os.path.dirname(current)), target)
+  raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), os.fspath(path))
+
+
+def _file_descriptor(path: str) -> int | None:
+  if path in _STANDARD_STREAMS:
+    return _STANDARD_STREAMS[path]
+  match = re.fullmatch(r'/(?:dev/fd|proc/(?:self|(\d+))/fd)/(\d+)', os.path.normpath(path))
+  if match and match.group(1) in (None, str(os.getpid())):
+    return int(match.group(2))
+  return None
+
+
+def write_output(path: str | os.PathLike, data: bytes | str) -> None:
+  """Writes a command's output file (str as UTF-8) without damaging what `path` is.
+
+  gs://: as `write_atomically`. A file descriptor (`output_destination`: /dev/stdout,
+  /dev/fd/N) is written through a duplicate of it, at its current position, so a shell's
+  `>>` still appends. A named pipe or a device (a terminal, /dev/null) is opened and written
+  in place: no temporary file, nothing replaced. A regular file or a new path, also at the end
+  of a symlink chain (the links are kept), is replaced whole: a temporary file in the same
+  folder, with the old file's permission bits, renamed over it, and removed if anything fails.
+  """
+  if is_gcs(path):
+    write_atomically(epath.Path(path), data)
+    return
+  data = data.encode('utf-8') if isinstance(data, str) else data
+  destination, descriptor = output_destination(path)
+  if descriptor is not None:
+    for stream in (sys.stdout, sys.stderr):  # Keep the order of what was printed before.
+      with contextlib.suppress(Exception):
+        stream.flush()
+    with os.fdopen(os.dup(descriptor), 'wb') as f:
+      f.write(data)
+    return
+  try:
+    mode = os.stat(destination).st_mode
+  except FileNotFoundError:
+    mode = None
+  if mode is not None and not stat.S_ISREG(mode) and not stat.S_ISDIR(mode):
+    with open(destination, 'wb') as f:  # A named pipe's reader gets the lines as written.
+      f.write(data)
+    return
+  _replace_whole(destination, data, None if mode is None else stat.S_IMODE(mode))
+
+
+def _replace_whole(destination: str, data: bytes, mode: int | None) -> None:
+  folder, name = os.path.split(destination)
+  os.makedirs(folder, exist_ok=True)
+  tmp = os.path.join(folder, f'.{name}.{uuid.uuid4().hex[:8]}.tmp')
+  descriptor = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+  try:
+    with os.fdopen(descriptor, 'wb') as f:
+      if mode is not None:
+        os.fchmod(f.fileno(), mode)  # A file the user made private stays private.
+      f.write(data)
+    os.replace(tmp, destination)
+  except BaseException:
+    with contextlib.suppress(OSError):
+      os.unlink(tmp)
+    raise
 
 
 def local_or_remote(value: str | os.PathLike) -> epath.Path:

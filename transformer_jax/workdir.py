@@ -89,8 +89,13 @@ class Workdir:
   def token_cache_file(self, dataset_name: str, split: str) -> epath.Path:
     return self.path / _TOKEN_CACHE / f'{dataset_name.replace("/", "_")}-{split}.npz'
 
-  def hypotheses_file(self, source_path: str, checkpoint: object, beam_size: int) -> epath.Path:
-    name = f'{epath.Path(source_path).name}.{checkpoint or "default"}.beam{beam_size}.txt'
+  def hypotheses_file(
+    self, source_path: str, checkpoint: object, beam_size: int, alpha: float
+  ) -> epath.Path:
+    """Named by every decoding option, so a sweep over them keeps each run's output."""
+    name = (
+      f'{epath.Path(source_path).name}.{checkpoint or "default"}.beam{beam_size}.alpha{alpha:g}.txt'
+    )
     return self.path / _HYPOTHESES / name
 
   def check_not_a_file(self) -> None:
