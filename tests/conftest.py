@@ -48,6 +48,20 @@ def tiny_config(data_dir: str):
   return config
 
 
+# tiny_config's task, vocabulary, model and batch as train.py flags (for subprocess runs).
+TINY_FLAGS = [
+  '--config.dataset=number_words/tiny',
+  '--config.vocab_size=96',
+  '--config.model.d_model=32',
+  '--config.model.d_ff=64',
+  '--config.model.num_heads=2',
+  '--config.model.num_encoder_layers=1',
+  '--config.model.num_decoder_layers=1',
+  '--config.model.max_len=32',
+  '--config.per_device_batch_size=16',
+]
+
+
 @pytest.fixture(scope='session')
 def data_dir(tmp_path_factory):
   """One prepared copy of number_words/tiny for the whole test session."""

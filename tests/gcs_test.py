@@ -19,7 +19,7 @@ from transformer_jax.data import input_pipeline, staging
 from transformer_jax.errors import UserInputError
 from transformer_jax.gcs_lock import GcsLock
 
-from conftest import REPO_ROOT, tiny_config
+from conftest import REPO_ROOT, TINY_FLAGS, tiny_config
 
 gcs = gcs_emulator.fixture(scope='module')
 
@@ -143,15 +143,7 @@ def test_processes_of_one_host_stage_once_together(gcs, data_dir, tmp_path):
 
 
 _TINY_FLAGS = [
-  '--config.dataset=number_words/tiny',
-  '--config.vocab_size=96',
-  '--config.model.d_model=32',
-  '--config.model.d_ff=64',
-  '--config.model.num_heads=2',
-  '--config.model.num_encoder_layers=1',
-  '--config.model.num_decoder_layers=1',
-  '--config.model.max_len=32',
-  '--config.per_device_batch_size=16',
+  *TINY_FLAGS,
   '--config.num_train_steps=200',
   '--config.log_every_steps=1',
   '--config.eval_every_steps=1000',

@@ -19,7 +19,7 @@ from transformer_jax.checkpointing import Checkpointer
 from transformer_jax.errors import NonFiniteError, UserInputError
 from transformer_jax.workdir import Workdir
 
-from conftest import REPO_ROOT, tiny_config
+from conftest import REPO_ROOT, TINY_FLAGS, tiny_config
 
 
 class _ScaledModel:
@@ -137,15 +137,7 @@ def _tiny_train_command(workdir, data_dir) -> list[str]:
     'train.py',
     f'--workdir={workdir}',
     f'--config.data_dir={data_dir}',
-    '--config.dataset=number_words/tiny',
-    '--config.vocab_size=96',
-    '--config.model.d_model=32',
-    '--config.model.d_ff=64',
-    '--config.model.num_heads=2',
-    '--config.model.num_encoder_layers=1',
-    '--config.model.num_decoder_layers=1',
-    '--config.model.max_len=32',
-    '--config.per_device_batch_size=16',
+    *TINY_FLAGS,
     '--config.eval_every_steps=100000',
     '--config.eval_decode_examples=0',
     '--config.eval_batch_size=32',

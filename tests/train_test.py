@@ -8,18 +8,10 @@ import sys
 
 import pytest
 
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, TINY_FLAGS
 
 _TINY_FLAGS = [
-  '--config.dataset=number_words/tiny',
-  '--config.vocab_size=96',
-  '--config.model.d_model=32',
-  '--config.model.d_ff=64',
-  '--config.model.num_heads=2',
-  '--config.model.num_encoder_layers=1',
-  '--config.model.num_decoder_layers=1',
-  '--config.model.max_len=32',
-  '--config.per_device_batch_size=16',
+  *TINY_FLAGS,
   '--config.num_train_steps=6',
   '--config.log_every_steps=3',
   '--config.eval_every_steps=6',

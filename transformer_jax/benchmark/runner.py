@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from transformer_jax import host_memory
+from transformer_jax import host_memory, paths
 from transformer_jax.benchmark.decoding import benchmark_decoding, suppress_eos, trained_decoding
 from transformer_jax.benchmark.flops import FLOPS_FORMULA, PeakTimer
 from transformer_jax.benchmark.pipeline import benchmark_pipeline
@@ -302,6 +302,7 @@ def run(
 
 
 def write_json(report: dict, path: str) -> None:
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  with open(path, 'w') as out:
-    json.dump(report, out, indent=2, sort_keys=True)
+  """The report as JSON at `path` (local or gs://), written whole."""
+  paths.write_atomically(
+    paths.resolve(path, '--json'), json.dumps(report, indent=2, sort_keys=True)
+  )
