@@ -6,6 +6,7 @@ import threading
 import pytest
 import sacrebleu
 
+from transformer_jax import metrics
 from transformer_jax.metrics import score
 from transformer_jax.text_io import read_lines
 
@@ -48,3 +49,80 @@ def test_score_is_sacrebleus_corpus_score():
   )
   assert 0 < result['bleu'] < 100
   assert result['bleu_signature'].startswith('nrefs:1|case:mixed|eff:no|tok:13a')
+
+
+def test_exact_match_by_category_counts_each_category_in_order():
+  references = ['null', 'eins', 'zweitausend', 'zweitausend', 'x', 'elf']
+  hypotheses = ['null', 'eine', 'zweitausend', 'zweitausendzwei', 'x', 'elf']
+  categories = ['zero', 'units', 'round', 'round', None, 'teens']
+  assert metrics.exact_match_by_category(references, hypotheses, categories) == {
+    'zero': (1, 1),
+    'units': (0, 1),
+    'teens': (1, 1),
+    'round': (1, 2),
+    'none': (1, 1),
+  }
+  with pytest.raises(ValueError):  # One category per sentence, no fewer.
+    metrics.exact_match_by_category(references, hypotheses, categories[:-1])
+
+
+def test_translation_metrics_by_category_and_without_bleu():
+  references, hypotheses = ['null', 'zweitausend', 'zweitausend'], ['null', 'zweitausend', 'x']
+  result = metrics.translation_metrics(
+    references, hypotheses, categories=['zero', 'round', 'round'], with_bleu=False
+  )
+  assert result == {
+    'exact_match': pytest.approx(2 / 3),
+    'chrf': pytest.approx(sacrebleu.corpus_chrf(hypotheses, [references]).score),
+    'exact_match/zero': 1.0,
+    'exact_match/round': 0.5,
+  }
+  assert 'bleu' in metrics.translation_metrics(references, hypotheses)
+
+
+def test_which_tasks_report_bleu_and_categories():
+  assert not metrics.bleu_is_meaningful('number_words')
+  assert not metrics.bleu_is_meaningful('number_words/tiny')
+  assert metrics.bleu_is_meaningful('text') and metrics.bleu_is_meaningful('wmt14_translate')
+  sources = ['one thousand', 'zero', 'a cat']
+  assert metrics.sentence_categories('number_words', sources) == ['round', 'zero', None]
+  assert metrics.sentence_categories('text', sources) is None
+
+
+class _Echo:
+  """Stands in for a Translator: 'translates' by looking the source up."""
+
+  def __init__(self, table):
+    self.table = table
+
+  def translate(self, sentences, beam_size, alpha, progress):
+    return [self.table[s] for s in sentences]
+
+
+def test_evaluate_report_on_number_words_has_categories_and_no_bleu():
+  sources, references = (
+    ['one thousand', 'two thousand', 'one'],
+    ['eintausend', 'zweitausend', 'eins'],
+  )
+  translator = _Echo(dict(zip(sources, ['eintausendeins', 'zweitausend', 'eins'])))
+  _, result = metrics.evaluate(translator, sources, references, dataset='number_words')
+  assert result['exact_matches'] == 2 and result['sentences'] == 3
+  assert result['by_category'] == {'units': (1, 1), 'round': (1, 2)}
+  lines = metrics.report_lines(result)
+  assert lines[0] == 'exact match 66.67% (2/3)'
+  assert lines[1].split() == ['units', '100.00%', '1/1', '1-9']
+  assert lines[2].split()[:3] == ['round', '50.00%', '1/2']
+  assert lines[3].startswith('BLEU not reported')
+  assert lines[4].startswith('chrF2 = ') and lines[5].startswith('  signature: nrefs:1')
+
+
+def test_evaluate_report_elsewhere_has_bleu_and_no_categories():
+  sources, references = ['a', 'b'], ['ein Hund rennt im Park', 'zwei Katzen schlafen']
+  translator = _Echo({'a': 'ein Hund läuft im Park', 'b': 'zwei Katzen schlafen'})
+  hypotheses, result = metrics.evaluate(translator, sources, references, dataset='text')
+  assert 'by_category' not in result
+  lines = metrics.report_lines(result)
+  assert lines[0] == 'exact match 50.00% (1/2)'
+  expected = sacrebleu.corpus_bleu(hypotheses, [references])
+  assert lines[1] == str(expected) and lines[2].startswith('  signature: nrefs:1|case:mixed')
+  assert lines[3].startswith('chrF2 = ')

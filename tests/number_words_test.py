@@ -115,20 +115,158 @@ def test_split_of_fractions_and_stability():
   assert [nw.split_of(n) for n in range(1000)] == [nw.split_of(n) for n in range(1000)]
 
 
-@pytest.mark.parametrize('split', nw.SPLITS)
-def test_sample_numbers(split):
+CATEGORY_CASES = [
+  (0, 'zero'),
+  (1, 'units'),
+  (9, 'units'),
+  (10, 'teens'),
+  (19, 'teens'),
+  (20, 'tens'),
+  (21, 'tens'),
+  (99, 'tens'),
+  (100, 'round'),
+  (120, 'round'),
+  (1000, 'round'),
+  (2000, 'round'),
+  (10000, 'round'),
+  (342000, 'round'),
+  (21000000, 'round'),
+  (999000000, 'round'),
+  (3420000, 'round'),  # 342 x 10^4: three significant digits.
+  (3421000, 'millions'),  # Four.
+  (101, 'ends_in_one'),
+  (121, 'ends_in_one'),
+  (21000001, 'ends_in_one'),
+  (111, 'other'),  # Ends in eleven, not in one.
+  (1011, 'other'),
+  (342005, 'other'),
+  (999999, 'other'),
+  (1000002, 'millions'),
+  (999999999, 'millions'),
+]
+
+
+@pytest.mark.parametrize('n,category', CATEGORY_CASES)
+def test_category_of(n, category):
+  assert nw.category_of(n) == category
+  assert nw.category_of_sentence(nw.english_words(n)) == category
+
+
+def test_the_inputs_people_type_first_are_categorised():
+  # The examples, which the old distribution almost never trained on.
+  assert nw.category_of_sentence('one thousand') == 'round'
+  assert nw.category_of_sentence('ten thousand') == 'round'
+  assert nw.category_of_sentence('twenty-one million one') == 'ends_in_one'
+  assert nw.category_of_sentence('one') == 'units'
+  assert nw.category_of_sentence('zero') == 'zero'
+  assert nw.category_of_sentence('  seven\n') == 'units'
+
+
+def test_number_from_english_inverts_english_words():
+  numbers = list(range(0, 3000)) + nw.sample_numbers('test', 2000, seed=3) + [nw.MAX_NUMBER]
+  assert [nw.number_from_english(nw.english_words(n)) for n in numbers] == numbers
+
+
+@pytest.mark.parametrize(
+  'text',
+  [
+    '',
+    'hundred',
+    'two zero',
+    'one one',
+    'twenty-zero',
+    'twenty-ten',
+    'Seven',
+    'seven  two',
+    'thousand',
+    'one hundred and one',
+    'one thousand million',
+    'dreihundert',
+    'eleven-one',
+  ],
+)
+def test_number_from_english_rejects_what_no_number_is_written_as(text):
+  assert nw.number_from_english(text) is None
+  assert nw.category_of_sentence(text) is None
+
+
+def test_category_of_rejects_out_of_range():
+  with pytest.raises(ValueError):
+    nw.category_of(-1)
+
+
+def test_numbers_below_100_are_in_every_split_and_the_rest_in_one():
+  assert all(nw._in_split(n, split) for n in range(100) for split in nw.SPLITS)
+  for n in range(100, 5000):
+    assert [nw._in_split(n, split) for split in nw.SPLITS].count(True) == 1, n
+
+
+def test_round_numbers_are_enumerated_exactly():
+  pools = {split: nw._round_numbers(split) for split in nw.SPLITS}
+  every = [n for pool in pools.values() for numbers in pool.values() for n in numbers]
+  # 90 with 3 digits (9 + 81), then 900 for each digit count 4..9 (9 + 81 + 810).
+  assert len(every) == len(set(every)) == 90 + 6 * 900
+  assert all(nw.category_of(n) == 'round' for n in every)
+  assert sorted(n for n in range(100, 100_000) if nw.category_of(n) == 'round') == sorted(
+    n for n in every if n < 100_000
+  )
+  for split, pool in pools.items():
+    assert all(nw.split_of(n) == split for numbers in pool.values() for n in numbers)
+
+
+def test_training_draws_every_category_by_its_weight():
+  numbers = nw.sample_numbers('train', 40_000, seed=0)
+  assert numbers == nw.sample_numbers('train', 40_000, seed=0)
+  assert numbers[:1000] == nw.sample_numbers('train', 1000, seed=0)  # A prefix.
+  assert numbers != nw.sample_numbers('train', 40_000, seed=1)
+  assert all(nw._in_split(n, 'train') for n in numbers)
+  counts = collections.Counter(nw.category_of(n) for n in numbers)
+  assert set(counts) == set(nw.CATEGORIES)
+  for category, weight in nw.TRAIN_WEIGHTS.items():
+    assert counts[category] / len(numbers) == pytest.approx(weight, abs=0.01), category
+  assert set(range(100)) <= set(numbers)  # Every lexicon number, many times over.
+  # Round numbers at every magnitude, from 100 to hundreds of millions.
+  assert {len(str(n)) for n in numbers if counts and nw.category_of(n) == 'round'} == set(
+    range(3, 10)
+  )
+
+
+@pytest.mark.parametrize('split', ['validation', 'test'])
+def test_evaluation_splits_hold_distinct_numbers_of_every_category(split):
   numbers = nw.sample_numbers(split, 2_000, seed=0)
   assert numbers == nw.sample_numbers(split, 2_000, seed=0)
-  assert numbers != nw.sample_numbers(split, 2_000, seed=1)
-  assert numbers[:100] == nw.sample_numbers(split, 100, seed=0)
   assert len(numbers) == len(set(numbers)) == 2_000
-  assert all(0 <= n <= nw.MAX_NUMBER and nw.split_of(n) == split for n in numbers)
-  lengths = {len(str(n)) for n in numbers}
-  for digits in range(1, 10):
-    # Short lengths have only a few numbers, and a split may own none.
-    low = 0 if digits == 1 else 10 ** (digits - 1)
-    owns_any = digits > 4 or any(nw.split_of(n) == split for n in range(low, 10**digits))
-    assert (digits in lengths) == owns_any, digits
+  assert all(nw._in_split(n, split) for n in numbers)
+  counts = collections.Counter(nw.category_of(n) for n in numbers)
+  # All of 0..99, every round number the split owns (fewer than its 10% share), then shares.
+  round_owned = sum(len(pool) for pool in nw._round_numbers(split).values())
+  assert round_owned < 200
+  assert {k: counts[k] for k in ('zero', 'units', 'teens', 'tens', 'round')} == {
+    'zero': 1,
+    'units': 9,
+    'teens': 10,
+    'tens': 80,
+    'round': round_owned,
+  }
+  assert counts['ends_in_one'] == 400 and counts['millions'] == 600
+  assert counts['other'] == 2_000 - 100 - round_owned - 1000
+  # Shuffled: the first 100 (eval_decode_examples) already mix the categories.
+  assert len({nw.category_of(n) for n in numbers[:100]}) >= 5
+
+
+def test_the_default_test_split_sizes():
+  # What README's per-category table rests on (seed 0, 2,000 test sentences).
+  counts = collections.Counter(nw.category_of(n) for n in nw.sample_numbers('test', 2000, 0))
+  assert dict(counts) == {
+    'zero': 1,
+    'units': 9,
+    'teens': 10,
+    'tens': 80,
+    'round': 151,
+    'ends_in_one': 400,
+    'millions': 600,
+    'other': 749,
+  }
 
 
 def test_sample_numbers_rejects_bad_split():
@@ -174,7 +312,9 @@ def test_tiny_data_source(tiny_dir):
       for n in nw.sample_numbers(split, sizes[split], seed=0)
     }
     assert pairs[split] == expected
-  english = {split: {en for en, _ in p} for split, p in pairs.items()}
+  # Disjoint but for 0..99, the task's words, which every split holds.
+  lexicon = {nw.english_words(n) for n in range(100)}
+  english = {split: {en for en, _ in p} - lexicon for split, p in pairs.items()}
   assert not english['test'] & english['train']
   assert not english['validation'] & english['train']
   assert not english['test'] & english['validation']
@@ -183,7 +323,7 @@ def test_tiny_data_source(tiny_dir):
 def test_builder_metadata(tiny_dir):
   builder = nw.NumberWords(config='tiny', data_dir=tiny_dir)
   assert builder.name == 'number_words'
-  assert str(builder.version) == '1.0.0'
+  assert str(builder.version) == '2.0.0'
   assert builder.info.supervised_keys == ('en', 'de')
   assert str(builder.info.file_format.value) == 'array_record'
 

@@ -52,8 +52,13 @@ def test_train_py_writes_everything_inference_needs(trained_workdir):
     assert os.path.exists(os.path.join(workdir, name)), name
   assert sorted(os.listdir(os.path.join(workdir, 'checkpoints'))) == ['3', '6']
   assert 'step 6/6 | loss' in log and 'tok/s' in log and 'ETA' in log
-  assert 'test exact match' in log and 'BLEU' in log and 'chrF' in log
-  assert 'eval step 6: loss' in log and 'bleu' in log  # Validation BLEU during training.
+  assert 'test exact match (greedy, 200 sentences): ' in log and 'chrF' in log
+  # Number words: exact match per category, and no BLEU (one-word outputs have no 4-grams).
+  assert 'test exact match by category:' in log
+  for category in ('units', 'teens', 'tens', 'round', 'ends_in_one', 'millions', 'other'):
+    assert f'] {category} ' in log.replace(']   ', '] '), category
+  assert 'BLEU' not in log and 'bleu' not in log
+  assert 'eval step 6: loss' in log and 'chrf' in log
   events = [
     os.path.join(workdir, 'tensorboard', f)
     for f in os.listdir(os.path.join(workdir, 'tensorboard'))
@@ -66,11 +71,14 @@ def test_train_py_writes_everything_inference_needs(trained_workdir):
     b'train/learning_rate',
     b'train/target_tokens_per_second',
     b'eval/loss',
-    b'eval/bleu',
+    b'eval/chrf',
     b'eval/samples',
     b'test/exact_match',
+    b'test/exact_match/round',
+    b'test/exact_match/millions',
   ):
     assert tag in content, tag
+  assert b'eval/bleu' not in content and b'test/bleu' not in content
 
 
 def test_translate_keeps_one_line_per_input_line(trained_workdir):
@@ -173,13 +181,13 @@ def test_averaged_checkpoint_is_loaded_by_name_and_by_default(trained_workdir):
   assert result.returncode == 2 and 'error: --checkpoint must be' in result.stderr.decode()
 
 
-def test_evaluate_prints_sacrebleu_with_signature_and_writes_hypotheses(trained_workdir, tmp_path):
+def test_evaluate_reports_exact_match_by_category_and_writes_hypotheses(trained_workdir, tmp_path):
   import sacrebleu
 
   from transformer_jax.data import number_words
 
   workdir, _ = trained_workdir
-  numbers = [7, 21, 342005, 1000001, 90]
+  numbers = [7, 21, 342005, 1000001, 90, 2000]
   src, ref = tmp_path / 'test.en', tmp_path / 'test.de'
   src.write_text(''.join(number_words.english_words(n) + '\n' for n in numbers))
   ref.write_text(''.join(number_words.german_words(n) + '\r\n' for n in numbers))  # CRLF.
@@ -198,20 +206,33 @@ def test_evaluate_prints_sacrebleu_with_signature_and_writes_hypotheses(trained_
   )
   assert result.returncode == 0, result.stderr.decode()[-3000:]
   stdout = result.stdout.decode()
-  assert 'nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:' in stdout
   hypotheses = out.read_text().split('\n')[:-1]
   assert len(hypotheses) == len(numbers)
-  expected = sacrebleu.corpus_bleu(
-    hypotheses, [[number_words.german_words(n) for n in numbers]]
-  ).score
-  assert f'BLEU = {expected:.2f}' in stdout
+  references = [number_words.german_words(n) for n in numbers]
+  hits = [h == r for h, r in zip(hypotheses, references)]
+  lines = stdout.splitlines()
+  assert lines[0] == f'exact match {100 * sum(hits) / 6:.2f}% ({sum(hits)}/6)'
+  # One line per category present, in number_words.CATEGORIES order, with its own count.
+  expected_rows = [('units', 0), ('tens', 1), ('tens', 4), ('round', 5), ('ends_in_one', 3)]
+  expected_rows.append(('other', 2))
+  by_category = {}
+  for name, index in expected_rows:
+    by_category.setdefault(name, []).append(hits[index])
+  for line, name in zip(lines[1:6], ['units', 'tens', 'round', 'ends_in_one', 'other']):
+    category_hits = by_category[name]
+    assert line.split()[0] == name
+    assert f'{sum(category_hits)}/{len(category_hits)}' in line, line
+  assert 'BLEU not reported' in stdout and 'BLEU =' not in stdout
+  expected_chrf = sacrebleu.corpus_chrf(hypotheses, [references]).score
+  assert f'chrF2 = {expected_chrf:.2f}' in stdout
+  assert 'nrefs:1|case:mixed|eff:yes|nc:6|nw:0|space:no|version:' in stdout
 
   ref.write_text('only one line\n')
   result = _run(
     ['-m', 'transformer_jax.evaluate', f'--workdir={workdir}', f'--src={src}', f'--ref={ref}']
   )
   assert result.returncode == 2
-  assert f'error: {src} has 5 lines but {ref} has 1' in result.stderr.decode()
+  assert f'error: {src} has 6 lines but {ref} has 1' in result.stderr.decode()
 
 
 def test_translate_file_input_and_output(trained_workdir, tmp_path):

@@ -1,4 +1,5 @@
-"""Scores a test set with sacreBLEU (BLEU and chrF on detokenized output, with signatures):
+"""Scores a test set: exact match (per category on the number-words task) and sacreBLEU's BLEU
+(where it means something) and chrF on detokenized output, with signatures:
 
     python -m transformer_jax.evaluate --workdir=DIR --src=test.en --ref=test.de \
         [--beam_size=4 --alpha=0.6 --checkpoint=averaged --out=hypotheses.txt]
@@ -48,8 +49,7 @@ def main(argv):
     alpha=FLAGS.alpha,
     batch_size=FLAGS.batch_size,
   )
-  print(f'{result["bleu_text"]}\n  signature: {result["bleu_signature"]}')
-  print(f'{result["chrf_text"]}\n  signature: {result["chrf_signature"]}')
+  print('\n'.join(metrics.report_lines(result)))
   print(
     f'{result["sentences"]} sentences in {result["seconds"]:.1f}s '
     f'(beam {FLAGS.beam_size}, alpha {FLAGS.alpha}); hypotheses: {result["hypotheses_file"]}'

@@ -464,20 +464,35 @@ class _Run:
     result = self.trainer.evaluate(params, self.eval_batches)
     if config.eval_decode_examples:
       texts = self.decode_split(params, config.eval_split, config.eval_decode_examples)
-      result.update(metrics.translation_metrics(texts[1], texts[2]))
+      with_bleu = metrics.bleu_is_meaningful(config.dataset)
+      result.update(metrics.translation_metrics(texts[1], texts[2], with_bleu=with_bleu))
       self.writer.write_texts(step, {'eval/samples': _samples_markdown(*texts)})
     self.writer.write_scalars(step, {f'eval/{k}': v for k, v in result.items()})
     log(f'eval step {step}: ' + ', '.join(f'{k} {v:.4f}' for k, v in result.items()))
     return result
 
   def test(self, params, step: int) -> dict[str, float]:
-    _, references, hypotheses = self.decode_split(params, self.config.test_split, None)
-    test = metrics.translation_metrics(references, hypotheses)
-    self.writer.write_scalars(step, {f'test/{k}': v for k, v in test.items()})
-    log(
-      f'test exact match (greedy, {len(references)} sentences): {test["exact_match"]:.4f}, '
-      f'BLEU {test["bleu"]:.2f}, chrF {test["chrf"]:.2f}'
+    """Greedy exact match on the test split (by category where the task has them), chrF, and
+    BLEU where it means something (`metrics.bleu_is_meaningful`)."""
+    sources, references, hypotheses = self.decode_split(params, self.config.test_split, None)
+    categories = metrics.sentence_categories(self.config.dataset, sources)
+    with_bleu = metrics.bleu_is_meaningful(self.config.dataset)
+    test = metrics.translation_metrics(
+      references, hypotheses, categories=categories, with_bleu=with_bleu
     )
+    self.writer.write_scalars(step, {f'test/{k}': v for k, v in test.items()})
+    hits = sum(h == r for h, r in zip(hypotheses, references))
+    bleu = f'BLEU {test["bleu"]:.2f}, ' if with_bleu else ''
+    lines = [
+      f'test exact match (greedy, {len(references):,} sentences): '
+      f'{100 * test["exact_match"]:.2f}% ({hits:,}/{len(references):,}); '
+      f'{bleu}chrF {test["chrf"]:.2f}'
+    ]
+    if categories is not None:
+      by_category = metrics.exact_match_by_category(references, hypotheses, categories)
+      lines += ['test exact match by category:', *metrics.format_categories(by_category)]
+    for line in lines:
+      log(line)
     return {f'test_{k}': v for k, v in test.items()}
 
   def decode_split(self, params, split: str, max_examples: int | None):
@@ -527,7 +542,13 @@ def _loop(run: _Run, preemption: _PreemptionFlag, workdir: Workdir, lock) -> dic
   eval_metrics: dict[str, float] = {}
   previous_metrics = None
   for step in range(start_step + 1, config.num_train_steps + 1):
+    if step == start_step + 1:  # Otherwise the tens of seconds XLA takes pass in silence.
+      log('compiling the training step')
+      compile_start = time.time()
     state, step_metrics = trainer.step(state, next(run.train_iterator))
+    if step == start_step + 1:
+      jax.block_until_ready(step_metrics)
+      log(f'training step compiled and run once in {format_duration(time.time() - compile_start)}')
     training_log.add(step_metrics)
     # Check the previous step's streak: it is done by now, so this does not stall the device.
     if previous_metrics is not None:

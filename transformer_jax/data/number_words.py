@@ -10,6 +10,7 @@ with random access and without TensorFlow.
 """
 
 import dataclasses
+import functools
 import hashlib
 
 import numpy as np
@@ -153,14 +154,89 @@ def german_words(n: int) -> str:
   return ' '.join(words)
 
 
+# ------------------------------------------------------------- Categories --
+
+# What people type first, each reported separately (`category_of`, in this order of priority):
+# a model that is right on 99% of random nine-digit numbers can still write 'one thousand' as
+# 'eintausendeins' if round numbers are rare in training.
+CATEGORIES = {
+  'zero': '0',
+  'units': '1-9',
+  'teens': '10-19',
+  'tens': '20-99',
+  'round': '>= 100 with at most 3 significant digits: 100, 2,000, 342,000, 21,000,000',
+  'ends_in_one': '>= 100 ending in 1 but not 11: 101, 1,021, 21,000,001',
+  'millions': 'other numbers >= 1,000,000',
+  'other': 'other numbers 100..999,999',
+}
+# 0..99 are the task's vocabulary, not numbers one could generalise to: 'zero' -> 'null' occurs
+# nowhere else. They belong to every split; every larger number belongs to exactly one.
+LEXICON_LIMIT = 100
+
+
+def _is_round(n: int) -> bool:
+  if n < 100 or n % 10:
+    return False
+  while n % 10 == 0:
+    n //= 10
+  return n < 1000  # The significant digits, trailing zeros stripped.
+
+
+def category_of(n: int) -> str:
+  """The category of `n` (a key of CATEGORIES)."""
+  _check_range(n)
+  n = int(n)
+  if n < LEXICON_LIMIT:
+    return 'zero' if n == 0 else 'units' if n < 10 else 'teens' if n < 20 else 'tens'
+  if _is_round(n):
+    return 'round'
+  if n % 10 == 1 and n % 100 != 11:
+    return 'ends_in_one'
+  return 'millions' if n >= 1_000_000 else 'other'
+
+
+def number_from_english(text: str) -> int | None:
+  """The number that `english_words` writes as `text`, or None if it writes none that way."""
+  ones = {word: value for value, word in enumerate(_EN_ONES)}
+  tens = {word: 10 * value for value, word in enumerate(_EN_TENS) if word}
+  total = group = 0
+  for word in text.split(' '):
+    head, _, tail = word.partition('-')
+    if tail and head in tens and ones.get(tail, 0) > 0:
+      group += tens[head] + ones[tail]
+    elif word in ones:
+      group += ones[word]
+    elif word in tens:
+      group += tens[word]
+    elif word == 'hundred':
+      group *= 100
+    elif word in ('thousand', 'million'):
+      total += group * (1_000 if word == 'thousand' else 1_000_000)
+      group = 0
+    else:
+      return None
+  number = total + group
+  # The round trip rejects what no canonical spelling produces ('two zero', 'hundred').
+  if number > MAX_NUMBER or english_words(number) != text:
+    return None
+  return number
+
+
+def category_of_sentence(english: str) -> str | None:
+  """`category_of` the number an English source sentence writes; None if it is no number."""
+  number = number_from_english(english.strip())
+  return None if number is None else category_of(number)
+
+
 # ------------------------------------------------------------------ Splits --
 
 
 def split_of(n: int) -> str:
-  """The split that owns n: a stable hash, ~94% train / 3% validation / 3% test.
+  """The split that owns n >= 100: a stable hash, ~94% train / 3% validation / 3% test.
 
-  blake2b rather than hash(): Python's hash is salted per process for str and
-  would not be stable across runs or machines.
+  Numbers below LEXICON_LIMIT belong to every split (see there); this is only asked of others.
+  blake2b rather than hash(): Python's hash is salted per process for str and would not be
+  stable across runs or machines.
   """
   digest = hashlib.blake2b(str(int(n)).encode('ascii'), digest_size=8).digest()
   bucket = int.from_bytes(digest, 'little') % 100
@@ -169,35 +245,120 @@ def split_of(n: int) -> str:
   return 'validation' if bucket < 97 else 'test'
 
 
+def _in_split(n: int, split: str) -> bool:
+  return n < LEXICON_LIMIT or split_of(n) == split
+
+
 # Added to the caller's seed so the splits draw from different streams.
 _SPLIT_SEED_OFFSETS = {'train': 0, 'validation': 1_000_003, 'test': 2_000_029}
 
+# Training draws a category by these weights, then a number of it (repeats allowed: the few
+# lexicon numbers must be seen often). 0.5% 'zero' is ~300 sightings in the default run.
+TRAIN_WEIGHTS = {
+  'zero': 0.005,
+  'units': 0.03,
+  'teens': 0.03,
+  'tens': 0.06,
+  'round': 0.15,
+  'ends_in_one': 0.15,
+  'millions': 0.25,
+  'other': 0.325,
+}
+# Validation and test hold distinct numbers in these shares: all of 0..99 once the split has
+# 2,000 examples, every round number the split owns up to its share (~165 of 2,000), and the
+# large categories for the rest, so each category's exact match rests on enough sentences.
+_EVAL_SHARES = {'lexicon': 0.05, 'round': 0.10, 'ends_in_one': 0.20, 'millions': 0.30}
+# Digit counts drawn uniformly for the large categories ('at every magnitude').
+_DIGITS = {'round': range(3, 10), 'ends_in_one': range(3, 10), 'millions': range(7, 10)}
+_DIGITS['other'] = range(3, 7)
+_LEXICON_RANGES = {'zero': (0, 1), 'units': (1, 10), 'teens': (10, 20), 'tens': (20, 100)}
+
+
+@functools.cache
+def _round_numbers(split: str) -> dict[int, tuple[int, ...]]:
+  """Every round number of `split`, by digit count (5,490 in all splits together)."""
+  by_digits = {}
+  for digits in _DIGITS['round']:
+    numbers = set()
+    for significant in range(1, min(3, digits - 1) + 1):
+      for m in range(10 ** (significant - 1), 10**significant):
+        if m % 10 or significant == 1:
+          numbers.add(m * 10 ** (digits - significant))
+    by_digits[digits] = tuple(sorted(n for n in numbers if split_of(n) == split))
+  return by_digits
+
+
+def _number_by_groups(digits: int, rng: np.random.Generator) -> int:
+  """A `digits`-digit number whose groups of three below the first are each empty, small or
+  full, a third of the time each: 'twenty-one million one' and 'two thousand five' are what
+  people write, and almost never drawn digit by digit (1 in 10^5 of 8-digit numbers)."""
+  top_digits = (digits - 1) % 3 + 1
+  n = int(rng.integers(10 ** (top_digits - 1), 10**top_digits))
+  for _ in range((digits - 1) // 3):
+    kind = int(rng.integers(3))
+    group = 0 if kind == 0 else int(rng.integers(1, 100) if kind == 1 else rng.integers(100, 1000))
+    n = n * 1000 + group
+  return n
+
+
+def _draw(category: str, split: str, rng: np.random.Generator) -> int:
+  """One number of `category` owned by `split`."""
+  if category in _LEXICON_RANGES:
+    return int(rng.integers(*_LEXICON_RANGES[category]))
+  if category == 'round':
+    pools = [pool for pool in _round_numbers(split).values() if pool]
+    pool = pools[int(rng.integers(len(pools)))]
+    return pool[int(rng.integers(len(pool)))]
+  digit_counts = _DIGITS[category]
+  while True:
+    digits = digit_counts[int(rng.integers(len(digit_counts)))]
+    n = _number_by_groups(digits, rng)
+    if category == 'ends_in_one':
+      n = n - n % 10 + 1
+    if category_of(n) == category and split_of(n) == split:
+      return n
+
 
 def sample_numbers(split: str, count: int, seed: int) -> list[int]:
-  """`count` distinct numbers of `split`, deterministic for (split, count, seed).
+  """`count` numbers of `split`, deterministic for (split, count, seed).
 
-  The number of digits is drawn uniformly in 1..9 first, so small numbers
-  (rare under uniform sampling of 0..999_999_999) are well represented.
-  Draws that belong to another split or repeat are rejected; once a digit
-  length is exhausted (e.g. the few 1-digit numbers) its draws simply keep
-  being rejected. With equal seeds a smaller count gives a prefix of a larger.
+  'train' draws independently by TRAIN_WEIGHTS (with equal seeds a smaller count gives a prefix
+  of a larger). 'validation' and 'test' hold distinct numbers in _EVAL_SHARES, shuffled, so any
+  prefix (eval_decode_examples) mixes the categories.
   """
   if split not in _SPLIT_SEED_OFFSETS:
     raise ValueError(f'unknown split {split!r}; expected one of {SPLITS}')
   if count < 0:
     raise ValueError(f'count must be >= 0, got {count}')
   rng = np.random.default_rng(seed + _SPLIT_SEED_OFFSETS[split])
-  taken: set[int] = set()
-  numbers: list[int] = []
-  while len(numbers) < count:
-    digits = int(rng.integers(1, 10))
-    low = 0 if digits == 1 else 10 ** (digits - 1)
-    n = int(rng.integers(low, 10**digits))
-    if n in taken or split_of(n) != split:
-      continue
-    taken.add(n)
-    numbers.append(n)
-  return numbers
+  if split == 'train':
+    categories = list(TRAIN_WEIGHTS)
+    cumulative = np.cumsum(list(TRAIN_WEIGHTS.values()))
+    # One draw after another from one stream, so a shorter run is a prefix of a longer one.
+    drawn = []
+    for _ in range(count):
+      index = min(int(np.searchsorted(cumulative, rng.random(), side='right')), len(categories) - 1)
+      drawn.append(_draw(categories[index], split, rng))
+    return drawn
+  lexicon = rng.permutation(LEXICON_LIMIT)[: min(LEXICON_LIMIT, round(count * 0.05))]
+  numbers = [int(n) for n in lexicon]
+  round_pool = [n for pool in _round_numbers(split).values() for n in pool]
+  quota = min(len(round_pool), round(count * _EVAL_SHARES['round']))
+  numbers += [int(n) for n in rng.permutation(round_pool)[:quota]]
+  taken = set(numbers)
+  for category in ('ends_in_one', 'millions', 'other'):
+    quota = round(count * _EVAL_SHARES.get(category, 1.0))
+    if category == 'other':
+      quota = count - len(numbers)
+    drawn = 0
+    while drawn < quota:
+      n = _draw(category, split, rng)
+      if n not in taken:
+        taken.add(n)
+        numbers.append(n)
+        drawn += 1
+  order = rng.permutation(len(numbers))
+  return [numbers[i] for i in order[:count]]
 
 
 # ------------------------------------------------------------ tfds builder --
@@ -231,8 +392,12 @@ class NumberWords(tfds.core.GeneratorBasedBuilder):
   def _log_download_done(self) -> None:
     logging.info('number_words/%s prepared in %s', self.builder_config.name, self.data_dir)
 
-  VERSION = tfds.core.Version('1.0.0')
-  RELEASE_NOTES = {'1.0.0': 'Initial release.'}
+  VERSION = tfds.core.Version('2.0.0')
+  RELEASE_NOTES = {
+    '1.0.0': 'Initial release.',
+    '2.0.0': 'Categories people type (round numbers, 0-99, numbers ending in one) in every '
+    'split; 0-99 in all splits; training may repeat a number.',
+  }
   BUILDER_CONFIGS = [
     NumberWordsConfig(name='default', description='100k/2k/2k examples.'),
     NumberWordsConfig(
@@ -274,8 +439,9 @@ class NumberWords(tfds.core.GeneratorBasedBuilder):
     return {split: self._generate_examples(split, size) for split, size in sizes.items()}
 
   def _generate_examples(self, split: str, size: int):
-    for n in sample_numbers(split, size, self._SEED):
-      yield n, {'en': english_words(n), 'de': german_words(n)}
+    # Keyed by position: training repeats numbers.
+    for index, n in enumerate(sample_numbers(split, size, self._SEED)):
+      yield index, {'en': english_words(n), 'de': german_words(n)}
 
 
 def prepare(data_dir: str, config_name: str = 'default') -> None:
