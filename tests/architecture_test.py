@@ -20,6 +20,7 @@ COMMANDS = {
   'transformer_jax.plot_attention',
   'transformer_jax.prepare_data',
   'transformer_jax.benchmark.__main__',
+  'transformer_jax.export',
 }
 # Modules allowed to define or parse flags besides the commands.
 FLAG_MODULES = {'transformer_jax.cli'}

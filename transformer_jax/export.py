@@ -1,0 +1,56 @@
+"""Exports a trained workdir for serving elsewhere:
+
+    python -m transformer_jax.export --workdir=DIR --format=ctranslate2 --out=MODEL_DIR \\
+        [--quantization=int8|int16|float16|float32] [--checkpoint=averaged|latest|STEP]
+
+--format=ctranslate2 writes a CTranslate2 model directory (CTranslate2's TransformerSpec, with
+the vocabulary, the SentencePiece model and a README showing how to load it); it needs the
+`[export]` extra (`pip install 'transformer_jax[export]'`). See export_ctranslate2.py.
+"""
+
+from absl import flags
+
+from transformer_jax import cli, export_ctranslate2
+
+FLAGS = flags.FLAGS
+
+
+def _define_flags():
+  flags.DEFINE_string('workdir', None, 'Training workdir (config.json, vocab.model, checkpoints).')
+  flags.DEFINE_enum('format', None, ['ctranslate2'], 'What to export to.')
+  flags.DEFINE_string('out', None, 'Directory to write (local; refused if it exists, see --force).')
+  flags.DEFINE_string(
+    'quantization',
+    None,
+    'ctranslate2: weight type, one of ' + ', '.join(export_ctranslate2.QUANTIZATIONS) + ' '
+    "(default float32; 'int8' for fast CPU inference).",
+  )
+  flags.DEFINE_string(
+    'checkpoint',
+    None,
+    "Step number, 'averaged' or 'latest' (default: the "
+    'averaged checkpoint if current, else the latest).',
+  )
+  flags.DEFINE_bool('force', False, 'Replace --out if it exists.')
+  flags.mark_flags_as_required(['workdir', 'format', 'out'])
+
+
+def main(argv):
+  del argv
+  out = export_ctranslate2.export(
+    FLAGS.workdir,
+    FLAGS.out,
+    quantization=FLAGS.quantization or 'float32',
+    checkpoint=cli.checkpoint_flag_value(FLAGS.checkpoint),
+    force=FLAGS.force,
+  )
+  print(out)
+
+
+def run():
+  _define_flags()
+  cli.run(main)
+
+
+if __name__ == '__main__':
+  run()

@@ -1,0 +1,422 @@
+"""Export to CTranslate2: `python -m transformer_jax.export --format=ctranslate2 --out=DIR`.
+
+The model is described through CTranslate2's own specification API (`TransformerSpec`, whose
+`validate`, `optimize` and `save` write and quantise the files), so nothing here writes its binary
+format. What differs silently between the two codebases, and how each difference is bridged:
+
+  positions     ours interleave sin/cos (PE[2i] = sin, PE[2i+1] = cos, position 0 first);
+                CTranslate2's built-in table is [sin | cos] with another timescale and starts at
+                position 1. The spec lets a model store its own table (`position_encodings`), so
+                ours is stored: `models.sinusoidal_positions` for max_len positions, or the learned
+                tables (source and target apart) with learned_positions.
+  layer norm    epsilon 1e-6 here, CTranslate2's default 1e-5: `config.layer_norm_epsilon`.
+  embeddings    x sqrt(d_model) on both sides (`scale_embeddings`); with share_embeddings one
+                matrix is given to source, target and output projection (`optimize` aliases it).
+  attention     no biases here: CTranslate2's linear biases are optional and left unset.
+                Self-attention is one fused [Q; K; V] linear, cross-attention a query linear and
+                a fused [K; V] one; flax kernels are [in, heads, head] and become [out, in]
+                matrices, heads major. CTranslate2 splits a fused projection into equal parts,
+                so where qk_dim != v_dim the smaller side is zero-padded to the larger (exact:
+                zero columns add nothing to Q.K, zero value columns meet zero output rows) and
+                `queries_scale` keeps 1/sqrt(qk_dim).
+  norm order    post-LN (the paper) or pre-LN with a final norm per stack: the spec's `pre_norm`.
+  special ids   pad=0, eos=1, bos=2, unk=3 (data/tokenizer.py). The vocabulary is written from
+                the SentencePiece model in id order; sources end with EOS (`add_source_eos`), no
+                BOS; decoding starts from BOS (`decoder_start_token`). Our searches never predict
+                PAD (decode.py masks it): the output layer gets a bias that is 0 except -1e4 at
+                PAD, which gives PAD zero probability and leaves every other log-prob unchanged.
+  decoding      beam search here ranks by log P / ((5 + |y|) / 6)^alpha (GNMT), CTranslate2 by
+                log P / |y|^length_penalty (|y| counting EOS in both): `translate` asks
+                CTranslate2 for all beam_size hypotheses with plain log-probs and ranks them by
+                ours. CTranslate2's min_decoding_length=1 forbids EOS first, ours allows an empty
+                output: 0. Lengths are capped at max_len as ours (`translation_options`).
+
+Every TransformerConfig variant of today is expressible; a field this module does not know (one
+added to the model later) is refused, unless at its default, with a one-line error naming it
+(`check_exportable`). The weights are float32 whatever `dtype` the model trained in; CTranslate2
+computes in the type of `--quantization` (or its `compute_type=` when loading).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import shutil
+import tempfile
+from typing import Any, Sequence
+
+import numpy as np
+
+from transformer_jax import paths
+from transformer_jax.config import TransformerConfig
+from transformer_jax.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer
+from transformer_jax.errors import UserInputError
+from transformer_jax.inference import Translator
+from transformer_jax.metric_writers import log
+from transformer_jax.models import sinusoidal_positions
+from transformer_jax.workdir import Workdir
+
+# CTranslate2's weight types (`ctranslate2.specs.model_spec.ACCEPTED_MODEL_TYPES`).
+QUANTIZATIONS = (
+  'int8',
+  'int8_float32',
+  'int8_float16',
+  'int8_bfloat16',
+  'int16',
+  'float16',
+  'bfloat16',
+  'float32',
+)
+SENTENCEPIECE_FILE = 'sentencepiece.model'
+README_FILE = 'README.md'
+# Added to PAD's output logit: exp(-1e4) is 0 in every float type, and -1e4 is finite in float16.
+PAD_LOGIT_BIAS = -1e4
+
+# TransformerConfig fields and how the export treats them. Any other field (one added to the
+# model later) is refused unless it is at its default, so a new variant is never exported wrong.
+_CARRIED = {
+  'vocab_size',
+  'd_model',
+  'd_ff',
+  'num_heads',
+  'num_encoder_layers',
+  'num_decoder_layers',
+  'qk_dim',
+  'v_dim',
+  'share_embeddings',
+  'pre_norm',
+  'learned_positions',
+  'max_len',
+  'layer_norm_epsilon',
+}
+# Training-only or implementation choices: no effect on what the model computes at inference
+# (dtype: parameters are float32 whatever the compute dtype; CTranslate2's is --quantization).
+_IRRELEVANT = {'dropout_rate', 'attention_dropout_rate', 'remat', 'attention_impl', 'dtype'}
+
+
+def _ctranslate2():
+  try:
+    import ctranslate2  # noqa: F401  (an optional dependency: the [export] extra)
+    import ctranslate2.specs  # noqa: F401
+  except ImportError:
+    raise UserInputError(
+      "--format=ctranslate2 needs the ctranslate2 package: pip install 'transformer_jax[export]'"
+    ) from None
+  return ctranslate2
+
+
+def check_exportable(config: Any) -> None:
+  """Raises a one-line UserInputError for a model CTranslate2 cannot run as we do."""
+  for field in dataclasses.fields(config):
+    value = getattr(config, field.name)
+    if field.name not in _CARRIED | _IRRELEVANT and value != field.default:
+      raise UserInputError(
+        f'TransformerConfig.{field.name}={value!r}: the CTranslate2 export does not know '
+        'this model variant (only its default is exported)'
+      )
+
+
+def check_quantization(quantization: str) -> None:
+  if quantization not in QUANTIZATIONS:
+    raise UserInputError(
+      f'--quantization must be one of {", ".join(QUANTIZATIONS)}, got {quantization!r}'
+    )
+
+
+# --- Parameters -> specification --------------------------------------------------------------
+
+
+def _array(x) -> np.ndarray:
+  """A float32 copy: CTranslate2 quantises in place, and JAX's arrays are read-only."""
+  return np.array(x, np.float32)
+
+
+def _layer(tree, index: int):
+  """One layer's parameters out of a scanned stack (leading 'layers' axis)."""
+  if isinstance(tree, dict):
+    return {name: _layer(value, index) for name, value in tree.items()}
+  return _array(tree[index])
+
+
+def _set_layer_norm(spec, norm) -> None:
+  spec.gamma = _array(norm['scale'])
+  spec.beta = _array(norm['bias'])
+
+
+def _set_dense(spec, dense) -> None:
+  """flax Dense-like kernel [in, out] (+ bias [out]) -> CTranslate2 linear weight [out, in]."""
+  spec.weight = np.ascontiguousarray(dense['kernel'].T)
+  if 'bias' in dense:
+    spec.bias = dense['bias']
+
+
+def _projection(kernel: np.ndarray, head_dim: int) -> np.ndarray:
+  """[d_model, heads, d] -> [heads * head_dim, d_model], each head zero-padded to head_dim."""
+  d_model, heads, depth = kernel.shape
+  padded = np.zeros((d_model, heads, head_dim), np.float32)
+  padded[:, :, :depth] = kernel
+  return np.ascontiguousarray(padded.reshape(d_model, heads * head_dim).T)
+
+
+def _set_attention(spec, attention, config: TransformerConfig, self_attention: bool) -> None:
+  head_dim = max(config.head_qk_dim, config.head_v_dim)
+  query, key, value = (
+    _projection(attention[n]['kernel'], head_dim) for n in ('query', 'key', 'value')
+  )
+  if self_attention:
+    spec.linear[0].weight = np.concatenate([query, key, value])  # CTranslate2's fused Q, K, V.
+  else:
+    spec.linear[0].weight = query
+    spec.linear[1].weight = np.concatenate([key, value])  # Fused K, V of the encoder output.
+  out = attention['out']['kernel']  # [heads, d_v, d_model]
+  heads, depth, d_model = out.shape
+  padded = np.zeros((heads, head_dim, d_model), np.float32)
+  padded[:, :depth] = out
+  spec.linear[-1].weight = np.ascontiguousarray(padded.reshape(heads * head_dim, d_model).T)
+  spec.queries_scale = np.float32(1.0 / math.sqrt(config.head_qk_dim))
+
+
+def _set_ffn(spec, ffn) -> None:
+  _set_dense(spec.linear_0, ffn['wi'])
+  _set_dense(spec.linear_1, ffn['wo'])
+
+
+def position_table(config: TransformerConfig, params, side: str) -> np.ndarray:
+  """[max_len, d_model]: what our model adds at positions 0..max_len-1 ('source' / 'target')."""
+  if config.learned_positions:
+    return _array(params[f'{side}_embedder']['position_embedding'])
+  return _array(sinusoidal_positions(np.arange(config.max_len)[None], config.d_model)[0])
+
+
+def _embedding(params, config: TransformerConfig, side: str) -> np.ndarray:
+  name = 'shared_embedding' if config.share_embeddings else f'{side}_embedding'
+  return _array(params[name]['embedding'])
+
+
+def vocabulary(tokenizer: Tokenizer) -> list[str]:
+  """The SentencePiece pieces in id order: CTranslate2's token i is our id i."""
+  return tokenizer.pieces(range(tokenizer.vocab_size))
+
+
+def model_spec(config: TransformerConfig, params, tokenizer: Tokenizer):
+  """A validated `ctranslate2.specs.TransformerSpec` holding our parameters (float32)."""
+  check_exportable(config)
+  ctranslate2 = _ctranslate2()
+  specs = ctranslate2.specs
+  if tokenizer.vocab_size != config.vocab_size:
+    raise UserInputError(
+      f'{tokenizer.path}: vocabulary has {tokenizer.vocab_size} pieces but the model '
+      f'expects {config.vocab_size}'
+    )
+  head_dim = max(config.head_qk_dim, config.head_v_dim)
+  common = dict(num_heads=config.num_heads, pre_norm=config.pre_norm, head_dim=head_dim)
+  encoder = specs.TransformerEncoderSpec(config.num_encoder_layers, **common)
+  decoder = specs.TransformerDecoderSpec(config.num_decoder_layers, **common)
+  spec = specs.TransformerSpec(encoder, decoder)
+
+  encoder.embeddings[0].weight = _embedding(params, config, 'source')
+  encoder.scale_embeddings = True  # x sqrt(d_model), as models.Embedder.
+  encoder.position_encodings.encodings = position_table(config, params, 'source')
+  layers = params['encoder_layers']
+  for index, layer_spec in enumerate(encoder.layer):
+    layer = _layer(layers, index)
+    _set_attention(layer_spec.self_attention, layer['self_attention'], config, True)
+    _set_layer_norm(layer_spec.self_attention.layer_norm, layer['attention_block']['norm'])
+    _set_ffn(layer_spec.ffn, layer['ffn'])
+    _set_layer_norm(layer_spec.ffn.layer_norm, layer['ffn_block']['norm'])
+
+  decoder.embeddings.weight = _embedding(params, config, 'target')
+  decoder.scale_embeddings = True
+  decoder.position_encodings.encodings = position_table(config, params, 'target')
+  layers = params['decoder_layers']
+  for index, layer_spec in enumerate(decoder.layer):
+    layer = _layer(layers, index)
+    _set_attention(layer_spec.self_attention, layer['self_attention'], config, True)
+    _set_layer_norm(layer_spec.self_attention.layer_norm, layer['self_attention_block']['norm'])
+    _set_attention(layer_spec.attention, layer['cross_attention'], config, False)
+    _set_layer_norm(layer_spec.attention.layer_norm, layer['cross_attention_block']['norm'])
+    _set_ffn(layer_spec.ffn, layer['ffn'])
+    _set_layer_norm(layer_spec.ffn.layer_norm, layer['ffn_block']['norm'])
+  if config.pre_norm:
+    _set_layer_norm(encoder.layer_norm, params['encoder_norm'])
+    _set_layer_norm(decoder.layer_norm, params['decoder_norm'])
+
+  if config.share_embeddings:
+    decoder.projection.weight = decoder.embeddings.weight  # Logits = x E^T (Embed.attend).
+  else:
+    decoder.projection.weight = np.ascontiguousarray(
+      _array(params['output_projection']['kernel']).T
+    )
+  bias = np.zeros((config.vocab_size,), np.float32)
+  bias[PAD_ID] = PAD_LOGIT_BIAS
+  decoder.projection.bias = bias
+
+  pieces = vocabulary(tokenizer)
+  spec.register_source_vocabulary(pieces)
+  spec.register_target_vocabulary(pieces)
+  spec.config.unk_token = pieces[UNK_ID]
+  spec.config.bos_token = pieces[BOS_ID]
+  spec.config.eos_token = pieces[EOS_ID]
+  spec.config.decoder_start_token = pieces[BOS_ID]
+  spec.config.add_source_bos = False
+  spec.config.add_source_eos = True
+  spec.config.layer_norm_epsilon = float(config.layer_norm_epsilon)
+  spec.validate()
+  return spec
+
+
+# --- Decoding as ours --------------------------------------------------------------------------
+
+
+def translation_options(max_len: int, beam_size: int = 4) -> dict:
+  """`ctranslate2.Translator.translate_batch` keyword arguments that decode as ours.
+
+  Sources are cut to max_len tokens with their EOS kept, as ours; outputs have at most
+  max_len - 1 tokens before EOS (ours: max_len with EOS) and may be empty (EOS first), as ours.
+  Greedy needs nothing else. Beam search returns every finished hypothesis
+  (num_hypotheses = beam_size) with its log-prob (length_penalty=0), which `translate` ranks
+  by the GNMT penalty (`gnmt_best`).
+  """
+  options = dict(
+    beam_size=beam_size,
+    max_input_length=max_len,
+    max_decoding_length=max_len - 1,
+    min_decoding_length=0,  # CTranslate2's default 1 forbids EOS first; ours allows it.
+  )
+  if beam_size > 1:
+    options.update(num_hypotheses=beam_size, length_penalty=0.0, return_scores=True)
+  return options
+
+
+def gnmt_best(hypotheses: Sequence[Sequence[str]], log_probs: Sequence[float], alpha: float):
+  """The hypothesis with the best log P / ((5 + |y|) / 6)^alpha, |y| counting EOS (decode.py)."""
+  scores = [lp / ((5.0 + len(h) + 1) / 6.0) ** alpha for h, lp in zip(hypotheses, log_probs)]
+  return hypotheses[int(np.argmax(scores))]
+
+
+def translate(
+  translator,
+  sentencepiece,
+  sentences: Sequence[str],
+  *,
+  max_len: int,
+  beam_size: int = 4,
+  alpha: float = 0.6,
+  max_batch_size: int = 64,
+) -> list[str]:
+  """CTranslate2 translations of `sentences` decoded as `inference.Translator.translate` does.
+
+  translator: a `ctranslate2.Translator`; sentencepiece: the exported SentencePiece processor.
+  Blank sentences give empty translations, as ours.
+  """
+  outputs = [''] * len(sentences)
+  rows = [i for i, sentence in enumerate(sentences) if sentence.strip()]
+  if not rows:
+    return outputs
+  source = [sentencepiece.encode(sentences[i], out_type=str) for i in rows]
+  results = translator.translate_batch(
+    source, max_batch_size=max_batch_size, **translation_options(max_len, beam_size)
+  )
+  for index, result in zip(rows, results):
+    if beam_size > 1:
+      best = gnmt_best(result.hypotheses, result.scores, alpha)
+    else:
+      best = result.hypotheses[0]
+    outputs[index] = sentencepiece.decode(best)
+  return outputs
+
+
+# --- The command -------------------------------------------------------------------------------
+
+_README = """\
+# {name}: a transformer_jax model for CTranslate2
+
+Exported by `python -m transformer_jax.export --format=ctranslate2` from `{workdir}`
+(checkpoint: {checkpoint}; weights: {quantization}). `{spm}` is the shared source/target
+SentencePiece vocabulary. With `pip install ctranslate2=={version} sentencepiece`:
+
+```python
+import ctranslate2, sentencepiece
+translator = ctranslate2.Translator('{out}')  # compute_type='int8': faster on CPU
+sp = sentencepiece.SentencePieceProcessor(model_file='{out}/{spm}')
+results = translator.translate_batch(
+  [sp.encode(s, out_type=str) for s in ['{example}']],
+  beam_size=4, num_hypotheses=4, length_penalty=0, return_scores=True,
+  max_input_length={max_len}, max_decoding_length={max_decode}, min_decoding_length=0)
+# Rank as transformer_jax: log P / ((5 + |y|) / 6) ** alpha, alpha = 0.6, |y| counting EOS.
+best = [max(zip(r.hypotheses, r.scores), key=lambda h: h[1] / ((6 + len(h[0])) / 6) ** 0.6)[0]
+        for r in results]
+print([sp.decode(tokens) for tokens in best])
+```
+
+With float32 weights these are the translations of `python -m transformer_jax.translate`
+(beam 4, alpha 0.6; int8 weights change a few); `beam_size=1` (and
+`best = [r.hypotheses[0] for r in results]`) is its `--beam_size=1`.
+CTranslate2's own ranking, `length_penalty=0.6` with `num_hypotheses=1`, divides by
+|y| ** 0.6 instead and picks another translation for a few sentences in a thousand. Keep
+`max_input_length={max_len}`: the model has {max_len} positions. `min_decoding_length=0` allows
+an empty translation, as transformer_jax does (CTranslate2's default is 1). The same in Python
+with transformer_jax installed: `transformer_jax.export_ctranslate2.translate`.
+"""
+
+
+def export(
+  workdir: str,
+  out_dir: str,
+  *,
+  quantization: str = 'float32',
+  checkpoint: int | str | None = None,
+  force: bool = False,
+  example: str = 'three hundred forty-two',
+) -> str:
+  """Writes the workdir's model to `out_dir` as a CTranslate2 model directory; returns it.
+
+  checkpoint as `translate`'s --checkpoint (None: averaged if current, else latest). The
+  directory is written beside `out_dir` and moved into place complete; an existing `out_dir`
+  is refused unless `force` (then replaced).
+  """
+  ctranslate2 = _ctranslate2()
+  check_quantization(quantization)
+  if paths.is_gcs(out_dir):
+    raise UserInputError(f'--out={out_dir}: CTranslate2 reads local directories only')
+  out_dir = os.path.abspath(out_dir)
+  if os.path.exists(out_dir) and not (os.path.isdir(out_dir) and force):
+    what = 'a file' if not os.path.isdir(out_dir) else 'already there (pass --force to replace it)'
+    raise UserInputError(f'--out={out_dir} is {what}')
+  restored = Translator.from_checkpoint(workdir, checkpoint, batch_size=1)
+  config = restored.model_config
+  spec = model_spec(config, restored.params, restored.tokenizer)
+  spec.optimize(quantization=quantization)
+
+  parent = os.path.dirname(out_dir)
+  os.makedirs(parent, exist_ok=True)
+  staging = tempfile.mkdtemp(prefix=f'.{os.path.basename(out_dir)}.', dir=parent)
+  try:
+    os.chmod(staging, 0o755)  # mkdtemp's 0o700 would keep the model from other users.
+    spec.save(staging)
+    with open(os.path.join(staging, SENTENCEPIECE_FILE), 'wb') as f:
+      f.write(Workdir(workdir).vocab_file.read_bytes())
+    with open(os.path.join(staging, README_FILE), 'w', encoding='utf-8') as f:
+      f.write(
+        _README.format(
+          name=os.path.basename(out_dir),
+          workdir=workdir,
+          checkpoint=checkpoint or 'the default, averaged if current, else latest',
+          quantization=quantization,
+          spm=SENTENCEPIECE_FILE,
+          version=ctranslate2.__version__,
+          out=out_dir,
+          example=example,
+          max_len=config.max_len,
+          max_decode=config.max_len - 1,
+        )
+      )
+    if os.path.exists(out_dir):
+      shutil.rmtree(out_dir)
+    os.rename(staging, out_dir)
+  except BaseException:
+    shutil.rmtree(staging, ignore_errors=True)
+    raise
+  log(f'CTranslate2 model ({quantization}) written to {out_dir}')
+  return out_dir
