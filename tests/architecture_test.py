@@ -6,6 +6,7 @@ import ast
 import os
 import pathlib
 import re
+import sys
 
 import pytest
 
@@ -105,6 +106,13 @@ def test_search_never_imports_the_model_and_batching_never_imports_jax():
   }
   batching_imports = _imports(MODULES['transformer_jax.data.batching'])
   assert not {i for i in batching_imports if i.split('.')[0] in ('jax', 'flax')}
+
+
+def test_the_stablehlo_runner_needs_only_jax_numpy_and_sentencepiece():
+  # It is copied into exported directories and run where transformer_jax is not installed.
+  allowed = {'__future__', 'jax', 'numpy', 'sentencepiece'} | set(sys.stdlib_module_names)
+  imported = {i.split('.')[0] for i in _imports(MODULES['transformer_jax.stablehlo_runner'])}
+  assert imported <= allowed, imported - allowed
 
 
 # The workdir's on-disk names, as string literals: each must appear in workdir.py and nowhere

@@ -6,24 +6,27 @@
 --format=ctranslate2 writes a CTranslate2 model directory (CTranslate2's TransformerSpec, with
 the vocabulary, the SentencePiece model and a README showing how to load it); it needs the
 `[export]` extra (`pip install 'transformer_jax[export]'`). See export_ctranslate2.py.
+--format=stablehlo writes the whole greedy and beam-4 searches as `jax.export` artifacts with the
+parameters, the SentencePiece model and a `translate.py` that needs only jax, numpy and
+sentencepiece. See export_stablehlo.py.
 """
 
 from absl import flags
 
-from transformer_jax import cli, export_ctranslate2
+from transformer_jax import cli, export_ctranslate2, export_stablehlo
 
 FLAGS = flags.FLAGS
 
 
 def _define_flags():
   flags.DEFINE_string('workdir', None, 'Training workdir (config.json, vocab.model, checkpoints).')
-  flags.DEFINE_enum('format', None, ['ctranslate2'], 'What to export to.')
+  flags.DEFINE_enum('format', None, ['ctranslate2', 'stablehlo'], 'What to export to.')
   flags.DEFINE_string('out', None, 'Directory to write (local; refused if it exists, see --force).')
   flags.DEFINE_string(
     'quantization',
     None,
     'ctranslate2: weight type, one of ' + ', '.join(export_ctranslate2.QUANTIZATIONS) + ' '
-    "(default float32; 'int8' for fast CPU inference).",
+    "(default float32; 'int8' for fast CPU inference). stablehlo: float32 only.",
   )
   flags.DEFINE_string(
     'checkpoint',
@@ -37,7 +40,8 @@ def _define_flags():
 
 def main(argv):
   del argv
-  out = export_ctranslate2.export(
+  exporters = {'ctranslate2': export_ctranslate2.export, 'stablehlo': export_stablehlo.export}
+  out = exporters[FLAGS.format](
     FLAGS.workdir,
     FLAGS.out,
     quantization=FLAGS.quantization or 'float32',
