@@ -2,8 +2,11 @@
 
 import logging
 import os
+import shutil
 import subprocess
 import sys
+import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -165,3 +168,165 @@ def test_cli(tmp_path):
 def test_module_has_no_orbax_import():
   with open(averaging.__file__) as f:
     assert 'orbax' not in f.read().replace('orbax-', '')
+
+
+# --- averaging while a training run saves and prunes checkpoints in the same workdir ---
+
+
+def _save_in_flight(checkpoint_dir, step):
+  """Turns a finished step into what orbax leaves while still writing it: its temporary
+  folder, without the commit marker."""
+  tmp = os.path.join(checkpoint_dir, f'{step}.orbax-checkpoint-tmp-1764000000123456')
+  os.rename(os.path.join(checkpoint_dir, str(step)), tmp)
+  os.remove(os.path.join(tmp, 'commit_success.txt'))
+
+
+def _half_delete(checkpoint_dir, step):
+  """What pruning leaves midway (orbax unlinks a step's files before its folders): the step's
+  own metadata and part of its state gone, the folders still there."""
+  step_dir = os.path.join(checkpoint_dir, str(step))
+  os.remove(os.path.join(step_dir, '_CHECKPOINT_METADATA'))
+  shutil.rmtree(os.path.join(step_dir, 'state', 'd'))
+
+
+def test_checkpoints_being_written_or_deleted_are_skipped_and_named(tmp_path, caplog):
+  workdir = str(tmp_path)
+  written = _write_workdir(workdir, [1, 2, 3, 4, 5])
+  checkpoint_dir = os.path.join(workdir, 'checkpoints')
+  _save_in_flight(checkpoint_dir, 5)
+  _half_delete(checkpoint_dir, 4)
+  with caplog.at_level(logging.WARNING):
+    result = average_checkpoints(workdir, last=2)
+  # The two newest complete checkpoints: steps 2 and 3 (constants 3 and 5 -> 4).
+  assert result['averaged_steps'] == [2, 3] and result['skipped_steps'] == [4, 5]
+  averaged = _restore_averaged(workdir, written)
+  np.testing.assert_array_equal(np.asarray(averaged['dense']['bias']), np.full((4,), 4.0))
+  warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+  assert (
+    f'skipping incomplete checkpoint(s) 4, 5 in {checkpoint_dir}: being written or deleted by '
+    'a training run, or left so by one that was killed'
+  ) in warnings
+  # Nothing was touched: the training run that owns them finishes or removes them.
+  assert sorted(os.listdir(checkpoint_dir)) == [
+    '1',
+    '2',
+    '3',
+    '4',
+    '5.orbax-checkpoint-tmp-1764000000123456',
+  ]
+
+  _half_delete(checkpoint_dir, 2)
+  _half_delete(checkpoint_dir, 3)
+  _half_delete(checkpoint_dir, 1)
+  with pytest.raises(UserInputError, match=f'^no checkpoints in {checkpoint_dir}$'):
+    average_checkpoints(workdir, last=2)
+
+
+def test_a_checkpoint_pruned_while_it_is_read_is_replaced_by_the_newest_unused(
+  tmp_path, monkeypatch, caplog
+):
+  from transformer_jax import checkpointing
+
+  workdir = str(tmp_path)
+  written = _write_workdir(workdir, [1, 2, 3, 4])
+  checkpoint_dir = os.path.join(workdir, 'checkpoints')
+  read_metadata_of = checkpointing._tree_metadata
+  pruned = threading.Event()
+
+  def prune_step_3_midway(item_dir):
+    # As a training run does: it saves step 5, then prunes step 3 while it is being read.
+    metadata = read_metadata_of(item_dir)
+    if os.path.basename(os.path.dirname(item_dir)) == '3' and not pruned.is_set():
+      pruned.set()
+      written.update(_write_workdir(workdir, [5], seed=1))
+      shutil.rmtree(os.path.join(checkpoint_dir, '3', 'state', 'd'))  # Its arrays go first,
+      threading.Timer(0.3, shutil.rmtree, [os.path.join(checkpoint_dir, '3')]).start()  # ...
+    return metadata
+
+  monkeypatch.setattr(checkpointing, '_tree_metadata', prune_step_3_midway)
+  with caplog.at_level(logging.WARNING):
+    result = average_checkpoints(workdir, last=2)
+  assert pruned.is_set()
+  # Step 3 went while being read; step 5, saved meanwhile, took its place (constants 7, 9 -> 8).
+  assert result['averaged_steps'] == [4, 5] and result['skipped_steps'] == [3]
+  assert result['latest_step'] == 5
+  averaged = _restore_averaged(workdir, written)
+  np.testing.assert_array_equal(np.asarray(averaged['dense']['bias']), np.full((4,), 8.0))
+  assert (
+    f'checkpoint(s) 3 in {checkpoint_dir} were deleted while being read (a training run '
+    'prunes old checkpoints): averaged steps 4, 5 instead'
+  ) in [r.getMessage() for r in caplog.records]
+
+
+def test_a_damaged_checkpoint_that_stays_is_still_an_error(tmp_path, monkeypatch):
+  from transformer_jax import checkpointing
+  from transformer_jax.errors import CorruptCheckpointError
+
+  monkeypatch.setattr(checkpointing, '_PRUNE_SECONDS', 0.3)
+  workdir = str(tmp_path)
+  _write_workdir(workdir, [1, 2])
+  shutil.rmtree(os.path.join(workdir, 'checkpoints', '2', 'state', 'd'))  # and nobody deletes it
+  with pytest.raises(
+    CorruptCheckpointError, match='checkpoint step 2 at .* is damaged or incomplete'
+  ):
+    average_checkpoints(workdir, last=2)
+
+
+_SAVE_AND_PRUNE = """
+import sys
+import numpy as np
+sys.path.insert(0, sys.argv[2])
+from average_test import _params, _state
+from transformer_jax.checkpointing import Checkpointer
+with Checkpointer(sys.argv[1], keep=2) as checkpointer:  # Saves in the background, prunes.
+  for step in range(1, 100000):
+    checkpointer.save(step, _state(_params(2.0 * step - 1.0, np.zeros((3, 4), np.float32)), step))
+    if step == 3:
+      print('saving', flush=True)
+"""
+
+
+def test_average_in_a_loop_while_checkpoints_are_saved_and_pruned(tmp_path):
+  """The real race: a process saving a checkpoint as fast as it can and keeping 2, while
+  `average --last=2` runs again and again for 5 s. Before, about one average in thirty
+  failed ('damaged or incomplete': a step deleted while it was read)."""
+  checkpoint_dir = tmp_path / 'checkpoints'
+  saver = subprocess.Popen(
+    [sys.executable, '-c', _SAVE_AND_PRUNE, str(checkpoint_dir), os.path.dirname(__file__)],
+    cwd=REPO_ROOT,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.DEVNULL,
+    text=True,
+  )
+  averages, failures = [], []
+  try:
+    assert saver.stdout.readline().strip() == 'saving'
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+      try:
+        averages.append(average_checkpoints(str(tmp_path), last=2))
+      except Exception as error:  # pylint: disable=broad-except
+        failures.append(f'{type(error).__name__}: {error}')
+  finally:
+    saver.kill()
+    saver.wait()
+  assert not failures, failures[:3]
+  assert len(averages) >= 5
+  for result in averages:  # Each the mean of the constants 2s-1 of the steps it names.
+    assert len(result['averaged_steps']) == 2, result
+  latest = averages[-1]
+  bias = np.asarray(
+    restore_params_from(
+      latest['path'],
+      {
+        'dense': {
+          'bias': jax.ShapeDtypeStruct((4,), jnp.float32),
+          'kernel': jax.ShapeDtypeStruct((3, 4), jnp.float32),
+        },
+        'embed': jax.ShapeDtypeStruct((5, 2), jnp.bfloat16),
+      },
+    )['dense']['bias']
+  )
+  np.testing.assert_array_equal(
+    bias, np.full((4,), float(np.mean([2 * s - 1 for s in latest['averaged_steps']])))
+  )

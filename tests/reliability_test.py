@@ -2,10 +2,12 @@
 
 import os
 import pathlib
+import shlex
 import shutil
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 
 import jax
@@ -260,6 +262,80 @@ def test_translate_reports_a_damaged_checkpoint_in_one_line(tmp_path, straight_r
   assert result.returncode == 2
   errors = [line for line in result.stderr.decode().splitlines() if line.startswith('error: ')]
   assert len(errors) == 1 and 'checkpoint step 8' in errors[0] and 'damaged' in errors[0]
+
+
+def _as_an_ordinary_user(code: str) -> subprocess.CompletedProcess:
+  """Runs `code` in a child Python that file modes apply to: as root (as these tests usually
+  run), without the two capabilities that bypass them (`capsh`, as in text_io_test.py)."""
+  command = [sys.executable, '-c', textwrap.dedent(code)]
+  if os.geteuid() == 0:
+    drop = ['capsh', '--drop=cap_dac_override,cap_dac_read_search', '--', '-c']
+    if shutil.which('capsh') is None or subprocess.run([*drop, 'true']).returncode != 0:
+      pytest.skip('running as root, and capsh cannot drop the capabilities that ignore modes')
+    command = [*drop, shlex.join(command)]
+  return subprocess.run(command, cwd=REPO_ROOT, timeout=300, capture_output=True, text=True)
+
+
+def test_read_only_places_are_one_line_errors_before_any_data_work(
+  tmp_path, data_dir, straight_run
+):
+  read_only = tmp_path / 'read_only'  # An empty folder nobody may write in.
+  read_only.mkdir()
+  trained = tmp_path / 'trained'  # A trained workdir, read-only all through.
+  shutil.copytree(straight_run, trained)
+  shared_data = tmp_path / 'shared_data'  # A prepared dataset on a read-only share.
+  shutil.copytree(data_dir, shared_data)
+  for path in (read_only, trained, shared_data):
+    subprocess.run(['chmod', '-R', 'a-w', str(path)], check=True)
+  code = f"""
+    import io, sys
+    sys.path.insert(0, 'tests')
+    from conftest import tiny_config
+    from transformer_jax import averaging, inference, train_lib
+    from transformer_jax.errors import UserInputError
+
+    def attempt(run):
+      try:
+        run()
+        print('no error')
+      except UserInputError as error:
+        print(error)
+
+    def train(workdir, data_dir):
+      train_lib.train_and_evaluate(tiny_config(data_dir), workdir)
+
+    attempt(lambda: train({str(read_only)!r}, {data_dir!r}))
+    attempt(lambda: train({str(read_only / 'new_run')!r}, {data_dir!r}))
+    attempt(lambda: train({str(tmp_path / 'run')!r}, {str(read_only / 'data')!r}))
+    attempt(lambda: train({str(tmp_path / 'run')!r}, {str(read_only)!r}))  # Nothing prepared.
+    attempt(lambda: averaging.average_checkpoints({str(trained)!r}, 2))
+    # Reading is all translate does in a workdir.
+    out = io.StringIO()
+    typed = io.BytesIO(b'seven\\n')
+    inference.translate_text({str(trained)!r}, beam_size=1, stdin=typed, stdout=out)
+    print('translated', len(out.getvalue().splitlines()))
+    # A prepared dataset is only read: a read-only data_dir holding it is fine (up to the loop).
+    train_lib._loop = lambda *args: print('ready to train')
+    attempt(lambda: train({str(tmp_path / 'shared')!r}, {str(shared_data)!r}))
+    """
+  try:
+    result = _as_an_ordinary_user(code)
+  finally:
+    for path in (read_only, trained, shared_data):
+      subprocess.run(['chmod', '-R', 'u+w', str(path)], check=True)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert result.stdout.splitlines() == [
+    f'--workdir={read_only}: cannot create files in {read_only} (Permission denied)',
+    f'--workdir={read_only}/new_run: cannot create files in {read_only} (Permission denied)',
+    f'config.data_dir={read_only}/data: cannot create files in {read_only} (Permission denied)',
+    f'cannot use {read_only}/downloads: Permission denied',
+    f'--workdir={trained}: cannot create files in {trained} (Permission denied)',
+    'translated 1',
+    'ready to train',
+    'no error',
+  ]
+  assert os.listdir(read_only) == []
+  assert sorted(os.listdir(trained)) == sorted(os.listdir(straight_run))  # No averaged/.
 
 
 def _latest_completed_step(checkpoint_dir) -> int:

@@ -270,36 +270,7 @@ class Checkpointer:
     Leaves keep their stored dtype (bfloat16 comes back as ml_dtypes.bfloat16).
     Only the params are read; optimizer state is skipped (partial restore).
     """
-    step = self._resolve_step(step)
-    item_dir = self._state_dir(step)
-    try:
-      stored = _tree_metadata(item_dir)
-    except Exception as error:  # orbax/tensorstore raise many types; all mean "unreadable".
-      raise self._corrupt(step, error) from None
-    if not isinstance(stored, dict) or 'params' not in stored:
-      raise ValueError(f'{item_dir}: the saved state has no params field')
-    target = {
-      'params': jax.tree.map(
-        lambda meta: jax.ShapeDtypeStruct(meta.shape, meta.dtype), stored['params']
-      )
-    }
-    restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), target)
-    try:
-      with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as reader:
-        restored = reader.restore(
-          item_dir,
-          args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True),
-        )
-    except Exception as error:  # orbax/tensorstore raise many types; all mean "unreadable".
-      raise self._corrupt(step, error) from None
-    step_dir = self.directory / str(step)
-    verify_leaves(
-      f'checkpoint step {step} at {step_dir}',
-      restored['params'],
-      _step_checksums(step_dir),
-      prefix='params/',
-    )
-    return restored['params']
+    return _params_to_host(self.directory, self._resolve_step(step))
 
   def _state_dir(self, step: int) -> epath.Path:
     # Locate the step folder the same way the manager names it (default name
@@ -323,6 +294,91 @@ class Checkpointer:
 
   def __exit__(self, *exc_info) -> None:
     self.close()
+
+
+# ---- reading a directory that training writes and prunes meanwhile (averaging) ----
+# Files every finished step folder holds (orbax 0.12.8): the step's metadata, written just
+# before the rename that finishes a save, and the 'state' item's tree metadata, which reading
+# the params needs. Pruning unlinks a step's files (the step folder's own among the first)
+# before its folders, so a step without them is being deleted, or was left half-deleted.
+_STEP_METADATA_FILE = '_CHECKPOINT_METADATA'
+_TREE_METADATA_FILE = '_METADATA'
+# How long a step that failed to read is watched for being deleted before it counts as
+# damaged: a local prune takes milliseconds, gs:// deletes object by object.
+_PRUNE_SECONDS = 10.0
+
+
+def list_steps(directory: str | epath.Path) -> tuple[list[int], list[int]]:
+  """(complete, incomplete) steps of a step checkpoint directory as they are on disk now (no
+  cached listing, unlike Checkpointer.all_steps), ascending. Incomplete: a save in flight
+  (orbax's `<step>.orbax-checkpoint-tmp-<n>` folder; on gs://, a step folder without its commit
+  marker), or a step being deleted or left half-deleted (see `_STEP_METADATA_FILE`)."""
+  directory = paths.local_or_remote(directory)
+  complete, incomplete = set(), set()
+  for entry in directory.iterdir():
+    name = entry.name.split('.')[0]  # '<step>.orbax-checkpoint-tmp-<n>' while being saved
+    if name.isdigit():
+      (complete if _is_complete_step(entry) else incomplete).add(int(name))
+  return sorted(complete), sorted(incomplete - complete)
+
+
+def _is_complete_step(step_dir: epath.Path) -> bool:
+  try:
+    return (
+      ocp.step.is_path_finalized(step_dir)
+      and (step_dir / _STEP_METADATA_FILE).exists()
+      and (step_dir / _STATE / _TREE_METADATA_FILE).exists()
+    )
+  except (OSError, ValueError):  # Gone while being looked at.
+    return False
+
+
+def restore_complete_params_to_host(directory: str | epath.Path, step: int) -> Any | None:
+  """`Checkpointer.restore_params_to_host(step)` for a directory that a training process saves
+  into and prunes meanwhile: None for a step that is not complete (`list_steps`) or stops being
+  complete within `_PRUNE_SECONDS` of failing to read (it was being deleted). Only a step that
+  stays complete and still does not read back raises (CorruptCheckpointError: damaged)."""
+  step_dir = paths.local_or_remote(directory) / str(int(step))
+  if not _is_complete_step(step_dir):
+    return None
+  try:
+    return _params_to_host(directory, step)
+  except CorruptCheckpointError:
+    deadline = time.monotonic() + _PRUNE_SECONDS
+    while _is_complete_step(step_dir):
+      if time.monotonic() >= deadline:
+        raise
+      time.sleep(0.1)
+    return None
+
+
+def _params_to_host(directory: str | epath.Path, step: int) -> Any:
+  """The params of step `step` as host NumPy arrays (see Checkpointer.restore_params_to_host)."""
+  step_dir = paths.local_or_remote(directory) / str(int(step))
+  where = f'checkpoint step {step} at {step_dir}'
+  item_dir = step_dir / _STATE
+  try:
+    stored = _tree_metadata(item_dir)
+  except Exception as error:  # orbax/tensorstore raise many types; all mean "unreadable".
+    raise _unreadable(where, error) from None
+  if not isinstance(stored, dict) or 'params' not in stored:
+    raise ValueError(f'{item_dir}: the saved state has no params field')
+  target = {
+    'params': jax.tree.map(
+      lambda meta: jax.ShapeDtypeStruct(meta.shape, meta.dtype), stored['params']
+    )
+  }
+  restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), target)
+  try:
+    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as reader:
+      restored = reader.restore(
+        item_dir,
+        args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True),
+      )
+  except Exception as error:  # orbax/tensorstore raise many types; all mean "unreadable".
+    raise _unreadable(where, error) from None
+  verify_leaves(where, restored['params'], _step_checksums(step_dir), prefix='params/')
+  return restored['params']
 
 
 # ---- params-only checkpoints ----

@@ -8,6 +8,8 @@ only this module and the commands touch absl flags.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 from typing import Callable, NoReturn
 
@@ -49,7 +51,22 @@ def run(main: Callable[[list[str]], None], *, config_flag: bool = False) -> None
         raise
       exit_with_error(str(error), code)
 
-  app.run(main_with_exit_codes, flags_parser=parse_flags if config_flag else _parse_plain)
+  try:
+    app.run(main_with_exit_codes, flags_parser=parse_flags if config_flag else _parse_plain)
+  except KeyboardInterrupt as interruption:  # Ctrl-C is no bug: no traceback.
+    exit_interrupted(interruption)
+
+
+def exit_interrupted(interruption: KeyboardInterrupt) -> NoReturn:
+  """One line (what `errors.Interrupted` says was stopped, else `interrupted`), then exit 130,
+  or 143 for SIGTERM (`errors.EXIT_CODES`), at once: an interrupted command has nothing left to
+  save, and Python's own exit would wait for every thread still running (grain's prefetching,
+  orbax's pools), some of them blocked for good on a queue that nobody reads any more."""
+  print(str(interruption) or 'interrupted', file=sys.stderr)
+  for stream in (sys.stdout, sys.stderr):
+    with contextlib.suppress(Exception):  # A closed pipe: there is nothing to say there.
+      stream.flush()
+  os._exit(errors.exit_code(interruption))
 
 
 _HELP_FLAGS = ('--help', '-h', '-?', '--helpshort', '--helpfull', '--helpxml')

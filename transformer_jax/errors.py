@@ -2,16 +2,20 @@
 
 A mistake in what the user gave (a config value, a flag, a file) is a `UserInputError`: one line
 naming the field, file or line, no traceback. `cli.run` turns each exception below into
-`error: <message>` on stderr and the exit status in `EXIT_CODES`:
+`error: <message>` on stderr (an interruption: its message alone, or `interrupted`) and the exit
+status in `EXIT_CODES`:
 
-  0  success (also a run stopped by SIGTERM/SIGINT after saving its checkpoint)
-  1  a bug: an unexpected exception, with its traceback
-  2  user error: bad config, flag or input file; a missing or damaged workdir or checkpoint
-  3  training stopped because the loss or gradients stayed NaN/Inf
+  0    success (also a run stopped by SIGTERM/SIGINT after saving its checkpoint)
+  1    a bug: an unexpected exception, with its traceback
+  2    user error: bad config, flag or input file; a missing or damaged workdir or checkpoint
+  3    training stopped because the loss or gradients stayed NaN/Inf
+  130  stopped by Ctrl-C (SIGINT) with nothing to save: training during start-up (before its
+       first step), or any other command; 143 (128 + 15) for SIGTERM. One line, no traceback.
 """
 
 from __future__ import annotations
 
+import signal
 from typing import Any
 
 
@@ -27,8 +31,19 @@ class NonFiniteError(RuntimeError):
   """Too many consecutive steps with a NaN/Inf loss or gradient."""
 
 
+class Interrupted(KeyboardInterrupt):
+  """A command stopped by SIGINT or SIGTERM before it had anything to save; its message says
+  what was stopped. A KeyboardInterrupt, so that no `except Exception` on the way swallows it."""
+
+  def __init__(self, message: str, signum: int = signal.SIGINT):
+    super().__init__(message)
+    self.signum = int(signum)
+
+
 EXIT_USER_ERROR = 2
 EXIT_NONFINITE = 3
+# 128 + the signal's number, as a shell reports a command that a signal ended: 130 for Ctrl-C.
+EXIT_INTERRUPTED = 128 + signal.SIGINT
 
 # Exception type -> exit status of a command (first match wins).
 EXIT_CODES: tuple[tuple[type[BaseException], int], ...] = (
@@ -36,11 +51,14 @@ EXIT_CODES: tuple[tuple[type[BaseException], int], ...] = (
   (FileNotFoundError, EXIT_USER_ERROR),
   (CorruptCheckpointError, EXIT_USER_ERROR),
   (NonFiniteError, EXIT_NONFINITE),
+  (KeyboardInterrupt, EXIT_INTERRUPTED),
 )
 
 
 def exit_code(error: BaseException) -> int | None:
   """The documented exit status for `error`, or None for an unexpected exception (a bug)."""
+  if isinstance(error, Interrupted):
+    return 128 + error.signum  # 143 for SIGTERM
   for error_type, code in EXIT_CODES:
     if isinstance(error, error_type):
       return code

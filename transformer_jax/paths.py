@@ -82,9 +82,14 @@ def write_atomically(path: epath.Path, data: bytes | str) -> None:
     return
   path.parent.mkdir(parents=True, exist_ok=True)
   tmp = path.parent / f'.{path.name}.{uuid.uuid4().hex[:8]}.tmp'
-  with tmp.open(mode) as f:
-    f.write(data)
-  os.replace(tmp, path)
+  try:
+    with tmp.open(mode) as f:
+      f.write(data)
+    os.replace(tmp, path)
+  except BaseException:  # Ctrl-C or a full disk: leave no stray temporary file either.
+    with contextlib.suppress(OSError):
+      os.unlink(tmp)
+    raise
 
 
 _STANDARD_STREAMS = {'/dev/stdin': 0, '/dev/stdout': 1, '/dev/stderr': 2}

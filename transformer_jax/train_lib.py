@@ -9,9 +9,8 @@ an update does not need twice the memory.
 
 from __future__ import annotations
 
+import errno
 import functools
-import os
-import signal
 import time
 from typing import Any
 
@@ -35,8 +34,9 @@ from transformer_jax.losses import label_smoothed_cross_entropy
 from transformer_jax.metric_writers import MetricWriter, TrainingLog, format_duration, log
 from transformer_jax.models import Transformer
 from transformer_jax.optim import make_optimizer
+from transformer_jax.preemption import PreemptionFlag as _PreemptionFlag
 from transformer_jax.run_config import model_config_from, save_run_config, validate_run_config
-from transformer_jax.workdir import Workdir
+from transformer_jax.workdir import Workdir, check_folder_writable
 
 
 class TrainState(train_state.TrainState):
@@ -351,60 +351,31 @@ def _samples_markdown(sources, references, hypotheses, count: int = 3) -> str:
   return '\n'.join(rows)
 
 
-class _PreemptionFlag:
-  """Set by SIGTERM/SIGINT; the loop checks it between steps, saves and exits cleanly.
-
-  With several processes every one must stop at the same step, to save collectively. JAX's
-  distributed runtime owns SIGTERM then: it passes a preemption notice received by any process
-  to all of them, and `reached_preemption_sync_point` turns true on all at one step. So only
-  SIGINT is caught here, and handed to that runtime as a SIGTERM.
-  """
-
-  def __init__(self):
-    self.signal_name = None
-    self._previous = {}
-
-  def __enter__(self):
-    self._multiprocess = jax.process_count() > 1
-    signals = (signal.SIGINT,) if self._multiprocess else (signal.SIGTERM, signal.SIGINT)
-    for signum in signals:
-      self._previous[signum] = signal.signal(signum, self._handle)
-    return self
-
-  def _handle(self, signum, frame):
-    del frame
-    self.signal_name = signal.Signals(signum).name
-    if self._multiprocess:
-      # Restore JAX's SIGTERM handling (it was never replaced) and raise the notice there.
-      os.kill(os.getpid(), signal.SIGTERM)
-
-  def should_stop(self, step: int) -> bool:
-    if self._multiprocess:
-      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-
-      return bool(multihost_utils.reached_preemption_sync_point(step))
-    return self.signal_name is not None
-
-  def __exit__(self, *exc):
-    for signum, handler in self._previous.items():
-      signal.signal(signum, handler)
-
-
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   """Trains (resuming from the workdir's latest checkpoint if any), evaluates, checkpoints.
 
   Returns the last evaluation's metrics (and the final test exact match when configured).
-  SIGTERM/SIGINT save a checkpoint at the current step and return early with 'preempted': 1.
-  Every config check runs first, before any data is prepared.
+  SIGTERM/SIGINT save a checkpoint at the current step and return early with 'preempted': 1;
+  before the first step they raise `errors.Interrupted` (see `preemption.py`). Every config
+  and permission check runs first, before any data is prepared.
   """
   # First: it covers only threads JAX starts afterwards.
   host_memory.reuse_freed_memory_if_configured(config)
   workdir = Workdir(workdir)
   workdir.check_not_a_file()
   validate_run_config(config)
+  workdir.check_writable()  # Before the lock, a file in it.
+  if config.data_dir:  # One that exists may be read-only: a shared, prepared one is only read.
+    check_folder_writable(config.data_dir, 'config.data_dir', unless_it_exists=True)
   lock = workdir.lock(jax.process_index(), config.lock_expiry_seconds)
   with lock, _PreemptionFlag() as preemption:
-    return _train_and_evaluate(config, workdir, preemption, lock)
+    try:
+      return _train_and_evaluate(config, workdir, preemption, lock)
+    except Exception:
+      if preemption.start_up_interruption is None:
+        raise
+      # A library made its own error of the interruption (SentencePiece: a RuntimeError).
+      raise preemption.start_up_interruption from None
 
 
 class _Run:
@@ -520,7 +491,12 @@ class _Run:
 def _train_and_evaluate(
   config, workdir: Workdir, preemption: _PreemptionFlag, lock
 ) -> dict[str, float]:
-  run = _Run(config, workdir)
+  try:
+    run = _Run(config, workdir)
+  except OSError as error:  # What the checks above cannot see: a read-only file or subfolder.
+    if error.errno not in (errno.EACCES, errno.EPERM, errno.EROFS) or not error.filename:
+      raise
+    raise UserInputError(f'cannot use {error.filename}: {error.strerror}') from None
   try:
     return _loop(run, preemption, workdir, lock)
   finally:

@@ -102,6 +102,11 @@ class Workdir:
     if self.path.exists() and not self.path.is_dir():
       raise UserInputError(f'--workdir={self.path} exists and is not a directory')
 
+  def check_writable(self, flag: str = '--workdir') -> None:
+    """A one-line error naming the path unless files can be created in the workdir (or, when
+    it does not exist yet, in the folder it will be made in): call it before any work."""
+    check_folder_writable(self.path, flag)
+
   def read_run_config(self) -> dict:
     """The saved {'config': ..., 'model': ...} of a trained workdir."""
     saved = self.read_run_config_if_present()
@@ -151,6 +156,38 @@ class Workdir:
     if self.is_remote:
       return gcs_lock.GcsLock(os.fspath(self.path / name), expiry_seconds)
     return WorkdirLock(os.fspath(self.path / name))
+
+
+def check_folder_writable(
+  value: str | os.PathLike, flag: str, *, unless_it_exists: bool = False
+) -> None:
+  """A one-line error `FLAG=PATH: ...` unless files can be created in the folder `value`, or
+  in its nearest existing ancestor while it does not exist (it is made later).
+  `unless_it_exists`: check only a folder still to be made.
+
+  Asks twice: `os.access`, then a real attempt (an empty file created and removed), because
+  `os.access` answers from the caller's powers, which a file system need not honour (NFS with
+  root_squash, a read-only mount). gs:// paths are not probed: permissions there are the
+  bucket's IAM, and probing would cost a round trip per run.
+  """
+  path = paths.resolve(value, flag)
+  if paths.is_gcs(path) or (unless_it_exists and path.exists()):
+    return
+  name = f'{flag}={path}'
+  folder = os.fspath(path)
+  while not os.path.lexists(folder):
+    folder = os.path.dirname(folder)
+  if not os.path.isdir(folder):
+    raise UserInputError(f'{name}: {folder} is not a directory')
+  if not os.access(folder, os.W_OK | os.X_OK):
+    raise UserInputError(f'{name}: cannot create files in {folder} ({os.strerror(errno.EACCES)})')
+  probe = os.path.join(folder, f'.write-check.{os.getpid()}.{os.urandom(4).hex()}.tmp')
+  try:
+    os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
+  except OSError as error:
+    reason = error.strerror or str(error)
+    raise UserInputError(f'{name}: cannot create files in {folder} ({reason})') from None
+  os.unlink(probe)
 
 
 class WorkdirLock:
