@@ -22,6 +22,7 @@ COMMANDS = {
   'transformer_jax.prepare_data',
   'transformer_jax.benchmark.__main__',
   'transformer_jax.export',
+  'transformer_jax.serve',
 }
 # Modules allowed to define or parse flags besides the commands.
 FLAG_MODULES = {'transformer_jax.cli'}

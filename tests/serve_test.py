@@ -1,0 +1,436 @@
+"""The translation server (`python -m transformer_jax.serve`), end to end: real servers in
+subprocesses on 127.0.0.1, a workdir trained for a few steps, answers compared with
+`Translator.translate` run in a process of its own.
+
+Two servers: `server` (batches of up to 4, beam 4 and alpha 0.6) and `slow_server`, whose requests
+wait 6 s for companions but time out after 2 s, with room for one waiting request: its
+requests are still queued when the tests look (504, 503, SIGTERM while in flight). The
+processes share a JAX persistent compilation cache, so programs compiled once load later.
+"""
+
+import concurrent.futures
+import http.client
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.parse
+
+import numpy as np
+import pytest
+
+from transformer_jax import train_lib
+from transformer_jax.data import number_words
+from transformer_jax.errors import UserInputError
+from transformer_jax.serving import batch_buckets, parse_decoding
+from transformer_jax.serving_batcher import Batcher, Closed, Engine, Metrics, QueueFull
+
+from conftest import tiny_config
+
+SENTENCES = [number_words.english_words(n) for n in (1, 701, 3412, 99, 200555, 999999)]
+# A blank line (translated to '' without decoding) and one truncated to the model's 16 tokens.
+SENTENCES += ['', ' '.join([number_words.english_words(888000)] * 6)]
+GREEDY, BEAM = (1, 0.0), (4, 0.6)
+SERVER_FLAGS = [
+  '--max_batch_size=4',
+  '--max_wait_ms=100',
+  '--max_sentences=8',
+  '--max_chars=300',
+  '--decoding=4:0.6',
+]
+REFERENCE = """
+import json, sys
+from transformer_jax.inference import Translator
+workdir, sentences, out = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+translator = Translator.from_checkpoint(workdir, None, batch_size=4)
+maps = translator.attention(sentences[1])
+with open(out, 'w') as f:
+  json.dump({
+    'beam': translator.translate(sentences, beam_size=4, alpha=0.6),
+    'attention': {'source_tokens': maps.source_tokens, 'target_tokens': maps.target_tokens,
+                  'cross_attention': maps.cross.tolist()},
+  }, f)
+"""
+
+
+@pytest.fixture(scope='module')
+def workdir(data_dir, tmp_path_factory):
+  config = tiny_config(data_dir)
+  config.num_train_steps = config.checkpoint_every_steps = 20
+  # Two length buckets (8 and 16 tokens) rather than three: fewer programs to compile.
+  config.model.max_len = config.max_source_length = config.max_target_length = 16
+  path = str(tmp_path_factory.mktemp('serve') / 'workdir')
+  train_lib.train_and_evaluate(config, path)
+  return path
+
+
+@pytest.fixture(scope='module')
+def env(tmp_path_factory):
+  return dict(
+    os.environ,
+    JAX_COMPILATION_CACHE_DIR=str(tmp_path_factory.mktemp('jax_cache')),
+    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0',
+    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES='0',
+  )
+
+
+@pytest.fixture(scope='module')
+def reference(workdir, env, tmp_path_factory):
+  """Translator.translate's answers for SENTENCES (batch size 4: it fills the cache with the
+  programs of the server's largest batch bucket), and Translator.attention for SENTENCES[1]."""
+  out = tmp_path_factory.mktemp('reference') / 'reference.json'
+  command = [sys.executable, '-c', REFERENCE, workdir, json.dumps(SENTENCES), str(out)]
+  subprocess.run(command, env=env, check=True, timeout=300, stdout=subprocess.DEVNULL)
+  with open(out) as f:
+    answers = json.load(f)
+  answers[BEAM] = answers.pop('beam')
+  return answers
+
+
+class Server:
+  """A `python -m transformer_jax.serve` subprocess on a free port of 127.0.0.1."""
+
+  def __init__(self, workdir, env, log_path, *flags):
+    self.log_path = log_path
+    self.log = open(log_path, 'w')
+    self.process = subprocess.Popen(
+      [sys.executable, '-m', 'transformer_jax.serve', f'--workdir={workdir}', '--port=0', *flags],
+      stdout=self.log,
+      stderr=subprocess.STDOUT,
+      env=env,
+    )
+    deadline = time.monotonic() + 300
+    try:
+      while not (found := re.search(r'serving on http://127\.0\.0\.1:(\d+)', self.output())):
+        assert self.process.poll() is None, f'the server exited:\n{self.output()[-3000:]}'
+        assert time.monotonic() < deadline, f'no server:\n{self.output()[-3000:]}'
+        time.sleep(0.2)
+    except AssertionError:
+      self.stop()
+      raise
+    self.port = int(found.group(1))
+
+  def output(self) -> str:
+    with open(self.log_path) as f:
+      return f.read()
+
+  def request(self, method, path, body=None, headers=None):
+    """-> (status, headers, parsed JSON or text). `body`: bytes as they are, else JSON."""
+    if body is not None and not isinstance(body, bytes):
+      body = json.dumps(body).encode()
+    connection = http.client.HTTPConnection('127.0.0.1', self.port, timeout=120)
+    try:
+      connection.request(method, path, body=body, headers=headers or {})
+      response = connection.getresponse()
+      data = response.read().decode()
+      is_json = response.headers.get('content-type', '').startswith('application/json')
+      return response.status, response.headers, json.loads(data) if is_json else data
+    finally:
+      connection.close()
+
+  def post(self, body, path='/v1/translate'):
+    return self.request('POST', path, body)
+
+  def metrics(self):
+    status, _, metrics = self.request('GET', '/metrics')
+    assert status == 200
+    return metrics
+
+  def wait_for_queue(self, depth, timeout=10):
+    deadline = time.monotonic() + timeout
+    while self.metrics()['queue_depth'] != depth:
+      assert time.monotonic() < deadline, f'the queue never held {depth} request(s)'
+      time.sleep(0.01)
+
+  def stop(self):
+    if self.process.poll() is None:
+      self.process.kill()
+      self.process.wait()
+    self.log.close()
+
+
+@pytest.fixture(scope='module')
+def server(workdir, env, reference, tmp_path_factory):
+  running = Server(workdir, env, tmp_path_factory.mktemp('server') / 'log', *SERVER_FLAGS)
+  yield running
+  running.stop()
+
+
+@pytest.fixture(scope='module')
+def slow_server(workdir, env, reference, tmp_path_factory):
+  flags = ['--max_batch_size=2', '--max_wait_ms=6000', '--timeout_s=2', '--max_queue=1']
+  running = Server(
+    workdir, env, tmp_path_factory.mktemp('slow') / 'log', *flags, '--decoding=4:0.6'
+  )
+  yield running
+  running.stop()
+
+
+class _RecordingEngine(Engine):
+  """Uppercases; records each batch it was given."""
+
+  def __init__(self):
+    self.calls = []
+
+  def translate(self, sentences, beam_size, alpha):
+    self.calls.append((list(sentences), beam_size, alpha))
+    return [sentence.upper() for sentence in sentences]
+
+
+def test_the_batcher_groups_by_options_sorts_by_length_and_answers_each_request():
+  engine = _RecordingEngine()
+  batcher = Batcher(engine, Metrics(), max_batch_size=3, max_wait_s=60, max_queue=5)
+  tickets = [
+    batcher.submit(['cccc', 'a'], BEAM),
+    batcher.submit(['bb'], GREEDY),
+    batcher.submit(['ddddd', 'eee'], BEAM),
+    batcher.submit(['ff'], BEAM),
+  ]
+  gone = batcher.submit(['x'], BEAM)
+  gone.abandon()  # A timed-out request leaves the queue and is never decoded.
+  large = ['y' * n for n in (7, 1, 6, 2, 5, 3, 4)]
+  tickets.append(batcher.submit(large, BEAM))
+  with pytest.raises(QueueFull, match=r'the queue is full \(max_queue=5\)'):
+    batcher.submit(['z'], BEAM)
+  assert batcher.depth() == (5, 0)
+  batcher.start()  # 13 sentences queued >= 3: no waiting.
+  answers = [ticket.future.result(10) for ticket in tickets]
+  assert answers == [['CCCC', 'A'], ['BB'], ['DDDDD', 'EEE'], ['FF'], [s.upper() for s in large]]
+  assert batcher.close(timeout=10)
+  assert engine.calls == [
+    # Requests are taken while they fit in a batch; one call per decoding option, shortest first.
+    (['a', 'cccc'], 4, 0.6),
+    (['bb'], 1, 0.0),
+    (['ff', 'eee', 'ddddd'], 4, 0.6),
+    # A request larger than a batch is taken alone and decoded a batch at a time.
+    (['y', 'yy', 'yyy'], 4, 0.6),
+    (['yyyy', 'yyyyy', 'yyyyyy'], 4, 0.6),
+    (['yyyyyyy'], 4, 0.6),
+  ]
+  assert gone.future.cancelled()
+  with pytest.raises(Closed):
+    batcher.submit(['z'], BEAM)
+
+
+def test_decoding_options_and_batch_buckets():
+  assert parse_decoding('4:0.6, 1, 1:0.6, 2:0') == ((4, 0.6), (1, 0.0), (2, 0.0))
+  for bad in ('4', '0:0.6', '4:-1', '4:nan', 'x', ''):
+    with pytest.raises(UserInputError, match='--decoding must be comma-separated beam_size:alpha'):
+      parse_decoding(bad)
+  assert [batch_buckets(n) for n in (1, 4, 6, 16)] == [
+    [1],
+    [1, 2, 4],
+    [1, 2, 4, 6],
+    [1, 2, 4, 8, 16],
+  ]
+
+
+def _translate(server, sentences, key):
+  return server.post({'text': sentences, 'beam_size': key[0], 'alpha': key[1]})
+
+
+def test_translations_equal_the_translators(server, reference):
+  assert _translate(server, SENTENCES, BEAM)[::2] == (200, {'translations': reference[BEAM]})
+  assert server.post({'text': []})[::2] == (200, {'translations': []})
+  # Without options a request gets the first of --decoding: beam 4, alpha 0.6.
+  assert server.post({'text': SENTENCES[:3]})[2] == {'translations': reference[BEAM][:3]}
+
+
+def _requests(count):
+  """Requests of 1 to 3 of SENTENCES (mixed lengths): (indices, decoding options)."""
+  return [([(i + 3 * j) % len(SENTENCES) for j in range(1 + i % 3)], BEAM) for i in range(count)]
+
+
+def _answer_concurrently(server, reference, requests):
+  barrier = threading.Barrier(len(requests))
+
+  def send(request):
+    indices, key = request
+    barrier.wait()
+    return _translate(server, [SENTENCES[i] for i in indices], key)
+
+  with concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
+    answers = list(pool.map(send, requests))
+  for (indices, key), (status, _, body) in zip(requests, answers):
+    assert (status, body) == (200, {'translations': [reference[key][i] for i in indices]})
+
+
+def test_concurrent_requests_are_batched_and_answered_separately(server, reference):
+  before = server.metrics()
+  _answer_concurrently(server, reference, _requests(16))
+  after = server.metrics()
+  assert after['requests'] - before['requests'] == 16
+  # Alone, each request would be one batch (1 to 3 sentences of one decoding option).
+  batches = after['batches'] - before['batches']
+  assert 0 < batches < 16, (before, after)
+
+
+def test_no_compilation_after_warm_up(server, reference):
+  metrics = server.metrics()
+  # 3 batch buckets x 2 length buckets, and the attention maps, at least.
+  assert metrics['compilations'] >= 7
+  assert metrics['batch_buckets'] == [1, 2, 4]
+  before = metrics['compilations']
+  _answer_concurrently(server, reference, _requests(24))  # Batches of every size.
+  for size in range(1, len(SENTENCES) + 1):  # One request at a time: 1 to 8 sentences.
+    answer = _translate(server, SENTENCES[-size:], BEAM)
+    assert answer[2] == {'translations': reference[BEAM][-size:]}
+  for text in (SENTENCES[0], SENTENCES[-1]):
+    assert server.post({'text': text}, '/v1/attention')[0] == 200
+  after = server.metrics()
+  assert set(after['batch_sizes']) == {'1', '2', '3', '4'}
+  assert after['compilations'] == before
+  assert after['compilations_since_ready'] == 0
+
+
+BAD_REQUESTS = [
+  (b'not json', 400, 'the body is not JSON: Expecting value: line 1 column 1 (char 0)'),
+  (b'{"text": ["\xff"]}', 400, 'the body is not valid UTF-8 (byte 11)'),
+  (b'{"text": ["one"], "alpha": NaN}', 400, 'the body is not JSON: NaN is not JSON'),
+  ([1, 2], 400, 'the body must be a JSON object, got array [1, 2]'),
+  ({}, 400, 'missing field "text"'),
+  ({'text': ['one'], 'beam': 4}, 400, 'unknown field(s) beam: expected text, beam_size, alpha'),
+  ({'text': 'one'}, 400, '"text" must be a list of strings, got string "one"'),
+  ({'text': ['one', 3]}, 400, '"text"[1] must be a string, got number 3'),
+  (b'{"text": ["\\ud800"]}', 400, '"text"[0] is not valid Unicode (a lone surrogate)'),
+  (
+    {'text': ['one'], 'beam_size': '4'},
+    400,
+    '"beam_size" must be a positive integer, got string "4"',
+  ),
+  (
+    {'text': ['one'], 'beam_size': True},
+    400,
+    '"beam_size" must be a positive integer, got boolean true',
+  ),
+  ({'text': ['one'], 'beam_size': 0}, 400, '"beam_size" must be a positive integer, got number 0'),
+  ({'text': ['one'], 'alpha': -1}, 400, '"alpha" must be a number >= 0, got number -1'),
+  ({'text': ['one'], 'alpha': None}, 400, '"alpha" must be a number >= 0, got null'),
+  (
+    {'text': ['one'], 'beam_size': 5},
+    400,
+    'beam_size=5 alpha=0.6 is not served here; served: beam_size=4 alpha=0.6',
+  ),
+  ({'text': ['one'] * 9}, 413, '"text" has 9 sentences; at most 8 per request'),
+  ({'text': ['one', 'x' * 301]}, 413, '"text"[1] has 301 characters; at most 300'),
+  (b' ' * 50000, 413, 'the body has 50000 bytes; at most 29888'),
+]
+
+
+@pytest.mark.parametrize('body,status,error', BAD_REQUESTS, ids=[e[:40] for *_, e in BAD_REQUESTS])
+def test_bad_requests_get_json_errors(server, body, status, error):
+  before = server.metrics()['responses'].get(str(status), 0)
+  answer = server.post(body)
+  assert (answer[0], answer[2]) == (status, {'error': error})
+  assert server.metrics()['responses'][str(status)] == before + 1
+
+
+def test_other_errors_are_json_too(server):
+  assert server.request('GET', '/nope')[::2] == (404, {'error': 'Not Found'})
+  assert server.request('GET', '/v1/translate')[::2] == (405, {'error': 'Method Not Allowed'})
+  assert server.post({'text': ['one']}, '/v1/attention')[::2] == (
+    400,
+    {'error': '"text" must be a non-blank string, got array ["one"]'},
+  )
+
+
+def test_health_and_page(server):
+  assert server.request('GET', '/healthz')[::2] == (200, {'status': 'ok', 'engine': 'jax'})
+  status, headers, page = server.request('GET', '/')
+  assert status == 200 and headers['content-type'].startswith('text/html')
+  assert "connect-src 'self'" in headers['content-security-policy']
+  assert '<form id="form">' in page and "fetch('/v1/attention'" in page
+  assert not re.search(r'(https?:)?//[a-z]', page)  # Nothing loaded from elsewhere.
+
+
+def test_attention_equals_the_translators(server, reference):
+  status, _, maps = server.post({'text': SENTENCES[1]}, '/v1/attention')
+  assert status == 200
+  expected = reference['attention']
+  assert maps['translation'] == reference[BEAM][1]
+  assert maps['source_tokens'] == expected['source_tokens']
+  assert maps['target_tokens'] == expected['target_tokens']
+  cross = np.asarray(maps['cross_attention'])
+  np.testing.assert_allclose(cross, expected['cross_attention'], atol=1e-5)
+  np.testing.assert_allclose(cross.sum(-1), 1, atol=1e-4)  # Rows are distributions.
+
+
+def test_the_page_shows_the_translation_in_a_headless_browser(server, reference):
+  chromium = shutil.which('chromium') or '/usr/bin/chromium'
+  if not os.path.exists(chromium):
+    pytest.skip('no chromium (apt-get install chromium) to load the page in')
+  query = urllib.parse.quote(SENTENCES[1])
+  with tempfile.TemporaryDirectory() as profile:
+    # The page translates ?q= as it loads; the DOM is dumped once its fetch has answered.
+    dom = subprocess.run(
+      [chromium, '--headless', '--no-sandbox', '--disable-gpu', '--disable-quic',
+       '--no-first-run', '--disable-background-networking', '--disable-component-update',
+       '--disable-sync', f'--user-data-dir={profile}', '--virtual-time-budget=30000',
+       '--dump-dom', f'http://127.0.0.1:{server.port}/?q={query}'],
+      capture_output=True, text=True, timeout=120, check=True,
+    ).stdout  # fmt: skip
+  assert '<body data-state="done">' in dom
+  assert f'<p id="translation">{reference[BEAM][1]}</p>' in dom
+  assert '<p id="error"></p>' in dom
+  assert dom.count('<td ') == len(reference['attention']['cross_attention'][0][0][0]) * len(
+    reference['attention']['target_tokens']
+  )
+
+
+def test_a_request_past_its_timeout_gets_504(slow_server, reference):
+  began = time.monotonic()
+  answer = _translate(slow_server, SENTENCES[:1], BEAM)
+  assert (answer[0], answer[2]) == (504, {'error': 'not translated within 2 s'})
+  assert 2 <= time.monotonic() - began < 6  # It waited for companions (6 s): never decoded.
+  assert slow_server.metrics()['queue_depth'] == 0  # It gave its place back.
+
+
+def test_a_full_queue_gets_503_with_retry_after(slow_server):
+  with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    waiting = pool.submit(_translate, slow_server, SENTENCES[:1], BEAM)
+    slow_server.wait_for_queue(1)
+    status, headers, body = _translate(slow_server, SENTENCES[1:2], BEAM)
+    assert (status, headers['retry-after']) == (503, '1')
+    assert body == {'error': 'the queue is full (max_queue=1); retry later'}
+    assert waiting.result()[0] == 504
+  assert slow_server.metrics()['responses']['503'] == 1
+
+
+def test_sigterm_answers_the_request_in_flight_then_exits_0(slow_server, reference):
+  with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    in_flight = pool.submit(lambda: (_translate(slow_server, SENTENCES[1:2], BEAM), time.time()))
+    slow_server.wait_for_queue(1)  # Queued, and would wait 6 s for companions.
+    signalled = time.time()
+    slow_server.process.send_signal(signal.SIGTERM)
+    (status, _, body), answered = in_flight.result()
+  # Decoded at once (nobody else can come) rather than after 6 s, hence before the 2 s timeout.
+  assert (status, body) == (200, {'translations': reference[BEAM][1:2]})
+  assert answered > signalled
+  assert slow_server.process.wait(timeout=60) == 0
+  assert 'signal 15: draining in-flight requests' in slow_server.output()
+  assert slow_server.output().rstrip().endswith('stopped')
+
+
+def test_the_ctranslate2_engine_is_refused_for_now(tmp_path):
+  result = subprocess.run(
+    [
+      sys.executable,
+      '-m',
+      'transformer_jax.serve',
+      f'--workdir={tmp_path}',
+      '--engine=ctranslate2',
+    ],
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
+  assert (result.returncode, result.stderr.strip().splitlines()[-1]) == (
+    2,
+    'error: --engine=ctranslate2 is not available yet; use --engine=jax',
+  )

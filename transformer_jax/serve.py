@@ -1,0 +1,74 @@
+"""Serves translations over HTTP, with dynamic batching:
+
+    python -m transformer_jax.serve --workdir=DIR [--port=8000]
+    curl -s localhost:8000/v1/translate -d '{"text": ["one hundred"], "beam_size": 4}'
+
+POST /v1/translate, POST /v1/attention, GET /healthz, GET /metrics (JSON) and a page at / that
+shows a translation and its cross-attention. Binds to 127.0.0.1 unless --host says otherwise;
+every batch and sentence length is compiled at start-up. SIGTERM drains and exits 0.
+"""
+
+from absl import flags
+
+from transformer_jax import cli, serving
+
+FLAGS = flags.FLAGS
+
+
+def _define_flags():
+  defaults = serving.ServerOptions()
+  flags.DEFINE_string('workdir', None, 'Training workdir (config.json, vocab.model, checkpoints).')
+  flags.DEFINE_string(
+    'checkpoint',
+    None,
+    "Step number, 'averaged' or 'latest' (default: the "
+    'averaged checkpoint if current, else the latest).',
+  )
+  flags.DEFINE_enum('engine', 'jax', serving.ENGINES, 'Decoding backend.')
+  flags.DEFINE_string('host', defaults.host, 'Address to listen on (0.0.0.0: every interface).')
+  flags.DEFINE_integer('port', defaults.port, 'Port to listen on (0: any free port).')
+  flags.DEFINE_integer('max_batch_size', defaults.max_batch_size, 'Sentences decoded together.')
+  flags.DEFINE_float(
+    'max_wait_ms', defaults.max_wait_ms, 'How long a request waits for others to batch with.'
+  )
+  flags.DEFINE_integer('max_queue', defaults.max_queue, 'Requests waiting before 503s.')
+  flags.DEFINE_integer('max_sentences', defaults.max_sentences, 'Sentences per request.')
+  flags.DEFINE_integer('max_chars', defaults.max_chars, 'Characters per sentence.')
+  flags.DEFINE_float('timeout_s', defaults.timeout_s, 'Seconds a request may take before a 504.')
+  flags.DEFINE_string(
+    'decoding',
+    defaults.decoding,
+    'The beam_size:alpha pairs requests may use, all compiled at start-up; the first is the '
+    'default (1 = greedy).',
+  )
+  flags.mark_flags_as_required(['workdir'])
+
+
+def main(argv):
+  del argv
+  options = serving.ServerOptions(
+    host=FLAGS.host,
+    port=FLAGS.port,
+    max_batch_size=FLAGS.max_batch_size,
+    max_wait_ms=FLAGS.max_wait_ms,
+    max_queue=FLAGS.max_queue,
+    max_sentences=FLAGS.max_sentences,
+    max_chars=FLAGS.max_chars,
+    timeout_s=FLAGS.timeout_s,
+    decoding=FLAGS.decoding,
+  )
+  serving.serve(
+    FLAGS.workdir,
+    checkpoint=cli.checkpoint_flag_value(FLAGS.checkpoint),
+    engine=FLAGS.engine,
+    options=options,
+  )
+
+
+def run():
+  _define_flags()
+  cli.run(main)
+
+
+if __name__ == '__main__':
+  run()
