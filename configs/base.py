@@ -49,6 +49,7 @@ def get_config():
   config.num_train_steps = 100_000
   config.warmup_steps = 4_000
   config.learning_rate_scale = 1.0
+  config.cooldown_fraction = 0.0  # The paper's schedule has no cooldown.
   config.label_smoothing = 0.1
 
   config.log_every_steps = 200

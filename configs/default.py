@@ -101,12 +101,18 @@ def get_config() -> ml_collections.ConfigDict:
 
   # --- Optimisation -----------------------------------------------------------------------
   # Total optimiser steps.
-  config.num_train_steps = 1000
+  config.num_train_steps = 2000
   # Warmup of the paper's schedule lr = scale * d_model^-0.5 * min(step^-0.5, step*warmup^-1.5).
   config.warmup_steps = 250
   # Multiplier on that schedule (1.0 in the paper). 0.3, gentler than 0.5, makes this short run
   # clear 98% test exact match on every seed tried (README.md, "The default task").
   config.learning_rate_scale = 0.3
+  # Fraction of num_train_steps at the end of the run over which the learning rate falls
+  # linearly to 0 (0: none, as in the paper); it scales with num_train_steps, which a resumed
+  # run may raise. This short run ends at ~0.6x the peak rate: without the cooldown its last
+  # parameters carry that noise, and the hardest category (millions) lands at 98.0-98.2%
+  # instead of 99.8-100% (README, "The default task").
+  config.cooldown_fraction = 0.25
   # Adam hyperparameters (the paper: 0.9, 0.98, 1e-9).
   config.adam_b1 = 0.9
   config.adam_b2 = 0.98

@@ -38,6 +38,7 @@ def tiny_config(data_dir: str):
   config.per_device_batch_size = 16
   config.num_train_steps = 8
   config.warmup_steps = 10
+  config.cooldown_fraction = 0.0  # The suite's short runs keep the paper's schedule.
   config.log_every_steps = 4
   config.eval_every_steps = 1000
   config.checkpoint_every_steps = 4
@@ -59,6 +60,7 @@ TINY_FLAGS = [
   '--config.model.num_decoder_layers=1',
   '--config.model.max_len=32',
   '--config.per_device_batch_size=16',
+  '--config.cooldown_fraction=0',
 ]
 
 

@@ -5,7 +5,7 @@ import numpy as np
 import optax
 import pytest
 
-from transformer_jax.optim import make_optimizer, rsqrt_schedule
+from transformer_jax.optim import make_optimizer, rsqrt_schedule, with_cooldown
 
 
 def _paper_lr(step, d_model=512, warmup=4000, scale=1.0):
@@ -32,6 +32,28 @@ def test_rsqrt_schedule_known_values():
   # Warmup is linear, the decay is 1/sqrt(step).
   np.testing.assert_allclose(float(schedule(1999)), 0.5 * float(schedule(3999)), rtol=1e-5)
   np.testing.assert_allclose(float(schedule(15999)), 0.5 * float(schedule(3999)), rtol=1e-5)
+
+
+def test_cooldown_falls_linearly_to_zero_over_the_last_steps():
+  base = rsqrt_schedule(128, 250, scale=0.3)
+  cooled = with_cooldown(base, total_steps=2000, cooldown_steps=500)
+  # Unchanged before the last 500 updates (counts 0..1499).
+  for count in (0, 249, 1000, 1499):
+    assert float(cooled(count)) == float(base(count))
+  # Count c of the last 500 gets (2000 - c) / 500 of the base rate: 1 at 1500, 1/500 at 1999.
+  for count in (1500, 1750, 1999):
+    np.testing.assert_allclose(
+      float(cooled(count)), float(base(count)) * (2000 - count) / 500, rtol=1e-6
+    )
+  assert float(cooled(2000)) == 0.0 and float(cooled(2600)) == 0.0  # Resumed past the end.
+  assert with_cooldown(base, 2000, 0) is base
+
+
+def test_make_optimizer_applies_the_cooldown():
+  _, schedule = make_optimizer(d_model=128, warmup_steps=250, total_steps=100, cooldown_steps=10)
+  _, paper = make_optimizer(d_model=128, warmup_steps=250)
+  assert float(schedule(89)) == float(paper(89))
+  np.testing.assert_allclose(float(schedule(95)), float(paper(95)) * 0.5, rtol=1e-6)
 
 
 def _adam_reference(grads, lrs, b1=0.9, b2=0.98, eps=1e-9):

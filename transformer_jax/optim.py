@@ -1,4 +1,5 @@
-"""The paper's optimiser: Adam(0.9, 0.98, 1e-9) with the inverse-square-root warmup schedule."""
+"""The paper's optimiser: Adam(0.9, 0.98, 1e-9) with the inverse-square-root warmup schedule,
+optionally ending in a linear cooldown to zero (`cooldown_steps`; the paper has none)."""
 
 from __future__ import annotations
 
@@ -20,17 +21,41 @@ def rsqrt_schedule(d_model: int, warmup_steps: int, scale: float = 1.0) -> optax
   return schedule
 
 
+def with_cooldown(
+  schedule: optax.Schedule, total_steps: int, cooldown_steps: int
+) -> optax.Schedule:
+  """`schedule` times a factor falling linearly from 1 to 0 over the last `cooldown_steps` of
+  `total_steps` updates (the last update gets 1/cooldown_steps of it); unchanged before.
+
+  The rsqrt schedule is still at ~0.6x its peak when a short run ends, and the last parameters
+  carry that step size's noise; cooling down makes the final checkpoint the one to keep.
+  """
+  if cooldown_steps <= 0:
+    return schedule
+  start = total_steps - cooldown_steps  # Updates applied before the cooldown begins.
+
+  def cooled(count):
+    remaining = jnp.asarray(total_steps - count, jnp.float32)
+    factor = jnp.clip(remaining / cooldown_steps, 0.0, 1.0)
+    return schedule(count) * jnp.where(count < start, 1.0, factor)
+
+  return cooled
+
+
 def make_optimizer(
   *,
   d_model: int,
   warmup_steps: int,
   learning_rate_scale: float = 1.0,
+  total_steps: int = 0,
+  cooldown_steps: int = 0,
   b1: float = 0.9,
   b2: float = 0.98,
   eps: float = 1e-9,
   grad_clip_norm: float = 0.0,
 ) -> tuple[optax.GradientTransformation, optax.Schedule]:
   schedule = rsqrt_schedule(d_model, warmup_steps, learning_rate_scale)
+  schedule = with_cooldown(schedule, total_steps, cooldown_steps)
   optimizer = optax.adam(schedule, b1=b1, b2=b2, eps=eps)
   if grad_clip_norm > 0:
     optimizer = optax.chain(optax.clip_by_global_norm(grad_clip_norm), optimizer)

@@ -200,6 +200,8 @@ class Trainer:
       d_model=model_config.d_model,
       warmup_steps=config.warmup_steps,
       learning_rate_scale=config.learning_rate_scale,
+      total_steps=config.num_train_steps,
+      cooldown_steps=round(config.cooldown_fraction * config.num_train_steps),
       b1=config.adam_b1,
       b2=config.adam_b2,
       eps=config.adam_eps,
