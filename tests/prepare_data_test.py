@@ -23,14 +23,14 @@ def test_prepare_then_read_through_data_source(tmp_path):
     'test': 200,
   }
   record_files = sorted(
-    p for p in os.listdir(tmp_path / 'number_words/tiny/1.0.0') if 'array_record' in p
+    p for p in os.listdir(tmp_path / 'number_words/tiny/2.0.0') if 'array_record' in p
   )
   assert record_files
-  mtimes = [os.path.getmtime(tmp_path / 'number_words/tiny/1.0.0' / p) for p in record_files]
+  mtimes = [os.path.getmtime(tmp_path / 'number_words/tiny/2.0.0' / p) for p in record_files]
   # A second call finds the dataset prepared and writes nothing.
   tfds_prepare.prepare('number_words/tiny', str(tmp_path))
   assert mtimes == [
-    os.path.getmtime(tmp_path / 'number_words/tiny/1.0.0' / p) for p in record_files
+    os.path.getmtime(tmp_path / 'number_words/tiny/2.0.0' / p) for p in record_files
   ]
   # Training reads it by name, as any catalog dataset prepared this way.
   config = default.get_config()

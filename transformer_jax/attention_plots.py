@@ -15,8 +15,8 @@ import io
 import os
 
 from transformer_jax import text_io
-from transformer_jax.errors import UserInputError
-from transformer_jax.inference import AttentionMaps, Translator
+from transformer_jax.errors import UserInputError, is_integer
+from transformer_jax.inference import AttentionMaps, Translator, check_decoding_options
 
 KINDS = {
   # kind: (AttentionMaps field, query tokens, key tokens, title)
@@ -37,12 +37,8 @@ def plot(maps: AttentionMaps, kind: str, out: str, layers: list[int] | None = No
   weights = getattr(maps, field)  # [layers, heads, queries, keys]
   queries, keys = getattr(maps, query_field), getattr(maps, key_field)
   num_layers, num_heads = weights.shape[:2]
+  check_layers(layers, num_layers)
   layers = layers or list(range(1, num_layers + 1))
-  for layer in layers:
-    if not 1 <= layer <= num_layers:
-      raise UserInputError(
-        f'--layers: layer {layer} does not exist (the model has {num_layers}, numbered from 1)'
-      )
   cell = 0.22  # Inches per token, so labels stay legible.
   panel_width, panel_height = 1.2 + cell * len(keys), 1.0 + cell * len(queries)
   figure, axes = plt.subplots(
@@ -72,6 +68,22 @@ def plot(maps: AttentionMaps, kind: str, out: str, layers: list[int] | None = No
   plt.close(figure)
   text_io.write_output(out, image.getvalue(), '--out')
   return out
+
+
+def check_layers(layers: list[int] | None, num_layers: int) -> None:
+  """A one-line error unless every layer number is one of the model's (numbered from 1)."""
+  for layer in layers or ():
+    if not is_integer(layer) or not 1 <= layer <= num_layers:
+      raise UserInputError(
+        f'--layers: layer {layer!r} does not exist (the model has {num_layers}, numbered from 1)'
+      )
+
+
+def _check_sentence(flag: str, value) -> None:
+  if not isinstance(value, str):
+    raise UserInputError(f'{flag} must be a sentence (str), got {type(value).__name__}')
+  if not value.strip():  # An unset shell variable: a plot of nothing but </s>.
+    raise UserInputError(f'{flag} is empty: give the sentence to draw')
 
 
 def _pyplot():
@@ -116,10 +128,16 @@ def plot_translation(
   given, and draws one kind of attention to `out`. Returns (the maps, the target used)."""
   if kind not in KINDS:
     raise UserInputError(f'--kind={kind!r}: expected one of {", ".join(KINDS)}')
+  _check_sentence('--text', text)
+  if target is not None:
+    _check_sentence('--target', target)
+  check_decoding_options(beam_size, alpha)
   # Before the checkpoint is restored: a wrong --out costs seconds, not a translation.
   check_image_format(out)
   text_io.check_writable_output(out, '--out')
   translator = Translator.from_checkpoint(workdir, checkpoint)
+  model = translator.model_config
+  check_layers(layers, model.num_encoder_layers if kind == 'encoder' else model.num_decoder_layers)
   if target is None:
     target = translator.translate([text], beam_size, alpha)[0]
   maps = translator.attention(text, target)

@@ -7,13 +7,20 @@ d_k -> qk_dim, d_v -> v_dim, P_drop -> dropout_rate).
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from typing import Any
 
 import jax.numpy as jnp
+import numpy as np
 
 from transformer_jax.errors import UserInputError, is_integer, is_number
 
 _ATTENTION_IMPLS = ('einsum', 'xla', 'cudnn')
+_BOOL_FIELDS = ('share_embeddings', 'pre_norm', 'learned_positions', 'remat')
+# Token ids every vocabulary reserves (pad, eos, bos, unk: data/tokenizer.py); the model and
+# the decoder index them, so a smaller table would be read out of range (clamped, silently).
+_RESERVED_IDS = 4
 _DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16, 'float16': jnp.float16}
 
 
@@ -57,6 +64,7 @@ class TransformerConfig:
   attention_impl: str = 'einsum'
 
   def __post_init__(self):
+    self._normalise_numpy_scalars()
     for name in (
       'vocab_size',
       'd_model',
@@ -69,6 +77,11 @@ class TransformerConfig:
       value = getattr(self, name)
       if not is_integer(value) or value <= 0:
         raise UserInputError(f'TransformerConfig.{name} must be a positive integer, got {value!r}')
+    if self.vocab_size < _RESERVED_IDS:
+      raise UserInputError(
+        f'TransformerConfig.vocab_size={self.vocab_size} is smaller than the {_RESERVED_IDS} '
+        'reserved ids (pad, eos, bos, unk)'
+      )
     for name in ('qk_dim', 'v_dim'):
       value = getattr(self, name)
       if value is not None and (not is_integer(value) or value <= 0):
@@ -84,11 +97,15 @@ class TransformerConfig:
       value = getattr(self, name)
       if not is_number(value) or not 0.0 <= value < 1.0:
         raise UserInputError(f'TransformerConfig.{name} must be in [0, 1), got {value!r}')
-    if not is_number(self.layer_norm_epsilon) or self.layer_norm_epsilon <= 0:
+    epsilon = self.layer_norm_epsilon
+    if not is_number(epsilon) or not 0 < epsilon < math.inf:  # NaN fails too.
       raise UserInputError(
-        'TransformerConfig.layer_norm_epsilon must be a positive number, '
-        f'got {self.layer_norm_epsilon!r}'
+        f'TransformerConfig.layer_norm_epsilon must be a positive finite number, got {epsilon!r}'
       )
+    for name in _BOOL_FIELDS:
+      value = getattr(self, name)
+      if not isinstance(value, bool):  # A string 'False' would be true.
+        raise UserInputError(f'TransformerConfig.{name} must be True or False, got {value!r}')
     if self.attention_impl not in _ATTENTION_IMPLS:
       raise UserInputError(
         f'TransformerConfig.attention_impl must be one of '
@@ -107,6 +124,20 @@ class TransformerConfig:
       raise UserInputError(
         f'TransformerConfig.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}'
       )
+
+  def _normalise_numpy_scalars(self) -> None:
+    """NumPy integers and floats (a vocabulary size computed with NumPy, say) as Python ones, so
+    the checks below accept them and `to_dict` stays JSON."""
+    for field in dataclasses.fields(self):
+      value = getattr(self, field.name)
+      if not isinstance(value, np.generic):
+        continue
+      if isinstance(value, np.bool_):
+        object.__setattr__(self, field.name, bool(value))
+      elif isinstance(value, numbers.Integral):
+        object.__setattr__(self, field.name, int(value))
+      elif isinstance(value, numbers.Real):
+        object.__setattr__(self, field.name, float(value))
 
   @property
   def head_qk_dim(self) -> int:
@@ -128,10 +159,21 @@ class TransformerConfig:
 
   @classmethod
   def from_dict(cls, fields: dict) -> 'TransformerConfig':
+    if not isinstance(fields, dict):
+      raise UserInputError(
+        f'TransformerConfig.from_dict takes a dict of fields, got {type(fields).__name__}'
+      )
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(fields) - known)
     if unknown:
       raise UserInputError(f'unknown TransformerConfig field(s): {", ".join(unknown)}')
+    required = [
+      f.name
+      for f in dataclasses.fields(cls)
+      if f.default is dataclasses.MISSING and f.name not in fields
+    ]
+    if required:
+      raise UserInputError(f'TransformerConfig field(s) missing: {", ".join(required)}')
     return cls(**fields)
 
   @classmethod

@@ -40,6 +40,8 @@ def is_gcs(path: str | os.PathLike) -> bool:
 
 def resolve(value: str | os.PathLike, flag: str) -> epath.Path:
   """`value` as a Path: local ones absolute, `gs://` ones remote; others a one-line error."""
+  if value is not None and not isinstance(value, (str, os.PathLike)):
+    raise UserInputError(f'{flag} must be a path, got {type(value).__name__} {value!r}')
   text = os.fspath(value) if value is not None else ''
   if not text:
     raise UserInputError(f'{flag} is empty: name a directory or file')

@@ -12,22 +12,31 @@ refuses changes to the fields the saved parameters and data order depend on.
 from __future__ import annotations
 
 import json
+import math
 
 import jax
 import ml_collections
 
 from transformer_jax import paths, sharding
 from transformer_jax.config import TransformerConfig
+from transformer_jax.data import number_words, text_dataset, tokenizer
 from transformer_jax.errors import (
   UserInputError,
   check_fraction,
   check_integer_at_least,
   check_number_at_least,
   check_positive_integer,
+  is_integer,
 )
 from transformer_jax.workdir import Workdir
 
 BATCHING_MODES = ('fixed', 'tokens', 'packed')
+# The features of the generated number_words dataset (either may be the source).
+_NUMBER_WORDS_LANGS = ('en', 'de')
+# Ids every vocabulary reserves: pad, eos, bos, unk (data/tokenizer.py).
+_RESERVED_PIECES = 4
+# grain's shuffles take seeds in [0, 2**32).
+_MAX_SEED = 2**32 - 1
 
 
 def model_config_from(config: ml_collections.ConfigDict, vocab_size: int) -> TransformerConfig:
@@ -94,17 +103,81 @@ def validate_run_config(config: ml_collections.ConfigDict) -> None:
 
 
 def _validate_data(config) -> None:
+  _validate_dataset(config)
   for name in ('max_source_length', 'max_target_length', 'vocab_size', 'vocab_max_examples'):
     check_positive_integer(f'config.{name}', config[name])
-  if config.dataset == 'text' and not config.data.dir:
+  check_positive_integer('config.data.max_chars', config.data.max_chars)
+  if config.vocab_size <= _RESERVED_PIECES:
     raise UserInputError(
-      'config.dataset=text needs config.data.dir: the directory holding '
-      f'train.{config.data.src_lang} and train.{config.data.tgt_lang}'
+      f'config.vocab_size={config.vocab_size} leaves no pieces besides the '
+      f'{_RESERVED_PIECES} reserved ones (pad, eos, bos, unk); the paper uses ~37,000'
     )
+  if config.vocab_model_type not in tokenizer.MODEL_TYPES:
+    raise UserInputError(
+      f'config.vocab_model_type must be one of {", ".join(tokenizer.MODEL_TYPES)}, '
+      f'got {config.vocab_model_type!r}'
+    )
+  if not is_integer(config.seed) or not 0 <= config.seed <= _MAX_SEED:
+    raise UserInputError(f'config.seed must be an integer in [0, 2**32 - 1], got {config.seed!r}')
+  for name in ('final_test_decode', 'reuse_host_memory'):
+    if not isinstance(config[name], bool):
+      raise UserInputError(f'config.{name} must be True or False, got {config[name]!r}')
   if config.data_dir:
     paths.resolve(config.data_dir, 'config.data_dir')  # A scheme we cannot serve: refused.
   if config.dataset == 'text':
     paths.resolve(config.data.dir, 'config.data.dir')
+
+
+def _validate_dataset(config) -> None:
+  """The dataset's name, languages and splits, as far as they are known without reading it."""
+  name = config.dataset
+  if not isinstance(name, str) or not name.strip():
+    raise UserInputError(
+      f"config.dataset must name a dataset ('number_words', 'text' or a prepared tfds "
+      f'dataset), got {name!r}'
+    )
+  text_dataset.check_langs(config.data.src_lang, config.data.tgt_lang, 'config.data.')
+  splits = {'train_split': config.train_split, 'eval_split': config.eval_split}
+  splits['test_split'] = config.test_split
+  for field, split in splits.items():
+    if not isinstance(split, str) or not split:
+      raise UserInputError(f'config.{field} must name a split of the dataset, got {split!r}')
+  if name == 'text' and not config.data.dir:
+    raise UserInputError(
+      'config.dataset=text needs config.data.dir: the directory holding '
+      f'train.{config.data.src_lang} and train.{config.data.tgt_lang}'
+    )
+  if name != 'text' and config.data.dir:
+    # Otherwise ignored: the run would train on another dataset than the user's files.
+    raise UserInputError(
+      f'config.data.dir={config.data.dir} is only read with config.dataset=text, but '
+      f'config.dataset={name!r}: add --config.dataset=text, or drop config.data.dir'
+    )
+  if name.split('/')[0] == 'number_words':
+    _validate_number_words(config, name)
+
+
+def _validate_number_words(config, name: str) -> None:
+  configs = [builder_config.name for builder_config in number_words.NumberWords.BUILDER_CONFIGS]
+  variant = name.split('/', 1)[1] if '/' in name else 'default'
+  if variant not in configs:
+    raise UserInputError(
+      f'config.dataset={name!r}: number_words has no variant {variant!r} (it has '
+      f'{", ".join(f"number_words/{c}" for c in configs)})'
+    )
+  for field in ('src_lang', 'tgt_lang'):
+    lang = config.data[field]
+    if lang not in _NUMBER_WORDS_LANGS:
+      raise UserInputError(
+        f'config.data.{field}={lang!r}: number_words has the languages '
+        f'{" and ".join(_NUMBER_WORDS_LANGS)}'
+      )
+  for field in ('train_split', 'eval_split', 'test_split'):
+    if config[field] not in number_words.SPLITS:
+      raise UserInputError(
+        f'config.{field}={config[field]!r}: number_words has the splits '
+        f'{", ".join(number_words.SPLITS)}'
+      )
 
 
 def _validate_model(config) -> None:
@@ -140,12 +213,17 @@ def _validate_batching(config) -> None:
 
 def _validate_optimiser(config) -> None:
   check_positive_integer('config.warmup_steps', config.warmup_steps)
-  check_number_at_least('config.learning_rate_scale', config.learning_rate_scale, 0, strict=True)
+  # Infinite: NaN after the first steps (scale), or steps of nothing (eps). A zero eps divides
+  # zero by zero on every parameter whose gradient is zero (the padding embedding).
+  for name in ('learning_rate_scale', 'adam_eps'):
+    check_number_at_least(f'config.{name}', config[name], 0, strict=True)
+    if not math.isfinite(config[name]):
+      raise UserInputError(f'config.{name} must be a finite number, got {config[name]!r}')
   for name in ('adam_b1', 'adam_b2'):
     check_fraction(f'config.{name}', config[name])
-  for name in ('adam_eps', 'grad_clip_norm'):
-    check_number_at_least(f'config.{name}', config[name], 0)
+  check_number_at_least('config.grad_clip_norm', config.grad_clip_norm, 0)
   check_fraction('config.label_smoothing', config.label_smoothing)
+  check_fraction('config.cooldown_fraction', config.cooldown_fraction)
 
 
 def _validate_loop(config) -> None:
@@ -179,6 +257,14 @@ def _validate_devices(config) -> None:
           f'config.logical_axis_rules: {logical_name!r} -> {axis!r} names no '
           f'mesh axis (the mesh has {", ".join(mesh.axis_names)})'
         )
+  longest = max(config.max_source_length, config.max_target_length)
+  if config.batching != 'fixed' and config.tokens_per_batch < longest * mesh.devices.size:
+    # Below one row of the longest pairs per device, batches would silently exceed it.
+    raise UserInputError(
+      f'config.tokens_per_batch={config.tokens_per_batch} is less than one row of '
+      f'{longest} tokens (max_source_length / max_target_length) per device on '
+      f'{mesh.devices.size} device(s): set it to at least {longest * mesh.devices.size}'
+    )
   if config.eval_batch_size % mesh.devices.size:
     raise UserInputError(
       f'config.eval_batch_size={config.eval_batch_size} must be a multiple '

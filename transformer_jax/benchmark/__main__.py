@@ -136,10 +136,10 @@ def main(argv):
     config,
     options,
     progress=lambda message: print(f'[benchmark] {message}', file=sys.stderr, flush=True),
+    json_path=FLAGS.json,
   )
   print(format_report(report))
   if FLAGS.json:
-    runner.write_json(report, FLAGS.json)
     print(f'wrote {FLAGS.json}')
 
 

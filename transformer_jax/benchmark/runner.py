@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from transformer_jax import host_memory, paths
+from transformer_jax import host_memory, text_io
 from transformer_jax.benchmark.decoding import benchmark_decoding, suppress_eos, trained_decoding
 from transformer_jax.benchmark.flops import FLOPS_FORMULA, PeakTimer
 from transformer_jax.benchmark.pipeline import benchmark_pipeline
@@ -58,6 +58,7 @@ from transformer_jax.benchmark.training import (
 )
 from transformer_jax.errors import UserInputError, is_integer
 from transformer_jax.models import Transformer
+from transformer_jax.workdir import Workdir
 
 # Peak matmuls timed before each training step (best kept) for `mfu_paired_median`: enough to
 # catch the machine's speed of the moment, few enough not to lengthen a run much.
@@ -176,18 +177,15 @@ def _check_counts(options: Options) -> None:
     value, least = getattr(options, name), 1 if name in positive else 0
     if not is_integer(value) or value < least:
       raise UserInputError(f'--{name} must be an integer >= {least}, got {value!r}')
-  if options.alpha < 0:
+  if not options.alpha >= 0:  # NaN too.
     raise UserInputError(f'--alpha must be >= 0, got {options.alpha!r}')
   if options.dropout is not None and not 0 <= options.dropout < 1:
     raise UserInputError(f'--dropout must be in [0, 1), got {options.dropout!r}')
 
 
-def run(
-  config: ml_collections.ConfigDict,
-  options: Options,
-  progress: Callable[[str], None] = lambda message: None,
-) -> dict:
-  """Runs the benchmark; returns the report (what --json writes)."""
+def _check_before_running(options: Options, json_path: str) -> None:
+  """What would otherwise fail only after minutes of measuring: the names, the counts, the
+  trained workdir, the --json output."""
   for name in options.sizes:
     if name not in SIZES:
       raise UserInputError(f'--sizes: unknown size {name!r}; expected some of {", ".join(SIZES)}')
@@ -196,7 +194,29 @@ def run(
       raise UserInputError(
         f'--sections: unknown section {section!r}; expected some of train, decode, pipeline'
       )
+  if options.pipeline_size and options.pipeline_size not in SIZES:
+    raise UserInputError(
+      f'--pipeline_size: unknown size {options.pipeline_size!r}; expected one of {", ".join(SIZES)}'
+    )
   _check_counts(options)
+  if options.workdir and 'decode' in options.sections:
+    workdir = Workdir(options.workdir)
+    workdir.read_run_config()  # A one-line error if it is not a training workdir.
+    if not workdir.vocab_file.exists():
+      raise FileNotFoundError(f'--workdir={options.workdir}: no vocabulary {workdir.vocab_file}')
+  if json_path:
+    text_io.check_writable_output(json_path, '--json')
+
+
+def run(
+  config: ml_collections.ConfigDict,
+  options: Options,
+  progress: Callable[[str], None] = lambda message: None,
+  json_path: str = '',
+) -> dict:
+  """Runs the benchmark; returns the report, also written as JSON to `json_path` if given
+  (checked before anything runs)."""
+  _check_before_running(options, json_path)
   accelerator = jax.devices()[0].platform != 'cpu'
   dtype = options.dtype or ('bfloat16' if accelerator else 'float32')
   peak_n = options.peak_n or (8192 if accelerator else 2048)
@@ -298,11 +318,12 @@ def run(
       size=size,
       seed=options.seed,
     )
+  if json_path:
+    write_json(report, json_path)
   return report
 
 
 def write_json(report: dict, path: str) -> None:
-  """The report as JSON at `path` (local or gs://), written whole."""
-  paths.write_atomically(
-    paths.resolve(path, '--json'), json.dumps(report, indent=2, sort_keys=True)
-  )
+  """The report as JSON at `path` (local or gs://; a regular file written whole, a pipe or
+  /dev/stdout in place: `text_io.write_output`)."""
+  text_io.write_output(path, json.dumps(report, indent=2, sort_keys=True), '--json')

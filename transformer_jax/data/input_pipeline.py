@@ -9,6 +9,7 @@ every checkpoint so a resumed run sees exactly the batches an uninterrupted run 
 
 from __future__ import annotations
 
+import difflib
 import io
 import itertools
 import json
@@ -85,6 +86,7 @@ def load_data_sources(
   except (tfds.core.registered.DatasetNotFoundError, FileNotFoundError, AssertionError) as error:
     raise UserInputError(
       f'dataset {config.dataset!r} is not prepared in {data_dir}: {str(error).splitlines()[0]}'
+      f'{_did_you_mean(config.dataset)}'
     ) from None
   for split in (config.train_split, config.eval_split, config.test_split):
     if split not in sources:
@@ -93,7 +95,20 @@ def load_data_sources(
         f'{", ".join(sorted(sources))}); set config.train_split / '
         'eval_split / test_split'
       )
+  features = list(sources[config.train_split].dataset_info.features.keys())
+  for field in ('src_lang', 'tgt_lang'):
+    if config.data[field] not in features:
+      raise UserInputError(
+        f'config.data.{field}={config.data[field]!r}: dataset {name!r} has no such feature '
+        f'(it has {", ".join(features)})'
+      )
   return {'name': name, **sources}
+
+
+def _did_you_mean(name: str) -> str:
+  """A hint when `name` is a near miss of a dataset this package builds itself."""
+  close = difflib.get_close_matches(name.lower(), ['number_words', 'number_words/tiny', 'text'])
+  return f" (did you mean config.dataset='{close[0]}'?)" if close else ''
 
 
 def _text(example: dict, key: str) -> str:

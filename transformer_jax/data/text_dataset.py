@@ -102,7 +102,7 @@ def text_paths(
   a split whose two files are both absent is left out of the result; a split
   with only one of its two files is an error (the other is probably misnamed).
   """
-  _check_langs(src_lang, tgt_lang)
+  check_langs(src_lang, tgt_lang)
   if not os.path.isdir(data_dir_of_files):
     raise UserInputError(
       f'parallel text directory {data_dir_of_files} does not exist or is not a directory'
@@ -137,15 +137,19 @@ def text_paths(
 # ------------------------------------------------------------- validation --
 
 
-def _check_langs(src_lang: str, tgt_lang: str) -> None:
+def check_langs(src_lang: str, tgt_lang: str, prefix: str = '') -> None:
+  """Two different language codes (file suffixes, feature names); `prefix` says where they
+  were set ('config.data.' for the run config)."""
   for field, lang in (('src_lang', src_lang), ('tgt_lang', tgt_lang)):
     if not isinstance(lang, str) or not _LANG_RE.match(lang):
       raise UserInputError(
-        f'{field}={lang!r} is not a language code: use a letter '
+        f'{prefix}{field}={lang!r} is not a language code: use a letter '
         'followed by letters, digits, "_" or "-" (e.g. "en")'
       )
   if src_lang == tgt_lang:
-    raise UserInputError(f'src_lang and tgt_lang are both {src_lang!r}; they must differ')
+    raise UserInputError(
+      f'{prefix}src_lang and {prefix}tgt_lang are both {src_lang!r}; they must differ'
+    )
 
 
 def _normalise_splits(
@@ -389,7 +393,7 @@ def prepare_text_dataset(
       has been written then.
   """
   global last_prepare_report
-  _check_langs(src_lang, tgt_lang)
+  check_langs(src_lang, tgt_lang)
   if not is_integer(max_chars) or max_chars <= 0:
     raise UserInputError(f'max_chars must be a positive integer, got {max_chars!r}')
   paths = _normalise_splits(src_path_by_split, tgt_path_by_split)

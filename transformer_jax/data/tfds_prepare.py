@@ -8,11 +8,13 @@ through `tfds.data_source` without it. The datasets this package builds itself (
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import tensorflow_datasets as tfds
 
+from transformer_jax import paths
 from transformer_jax.data import number_words
-from transformer_jax.errors import UserInputError
+from transformer_jax.errors import UserInputError, is_integer
 
 
 def is_prepared(name: str, data_dir: str) -> bool:
@@ -20,12 +22,25 @@ def is_prepared(name: str, data_dir: str) -> bool:
 
 
 def builder(name: str, data_dir: str) -> tfds.core.DatasetBuilder:
-  if name.split('/')[0] == 'number_words':
-    return number_words.NumberWords(
-      config=name.split('/')[1] if '/' in name else 'default',
-      data_dir=data_dir,
-      file_format='array_record',
+  """The builder of `name` writing array_record into `data_dir`; one-line errors for a name
+  or folder that cannot be prepared."""
+  if not isinstance(name, str) or not name.strip():
+    raise UserInputError("--dataset must name a tfds dataset, e.g. 'wmt14_translate/de-en'")
+  if name == 'text':
+    raise UserInputError(
+      "--dataset='text': your parallel files are prepared by train.py itself "
+      '(--config.dataset=text --config.data.dir=DIR); nothing to prepare here'
     )
+  data_dir = os.fspath(paths.resolve(data_dir, '--data_dir'))  # '' would be the current folder.
+  if name.split('/')[0] == 'number_words':
+    variant = name.split('/', 1)[1] if '/' in name else 'default'
+    variants = [config.name for config in number_words.NumberWords.BUILDER_CONFIGS]
+    if variant not in variants:
+      raise UserInputError(
+        f'--dataset={name!r}: number_words has no variant {variant!r} (it has '
+        f'{", ".join(f"number_words/{v}" for v in variants)})'
+      )
+    return number_words.NumberWords(config=variant, data_dir=data_dir, file_format='array_record')
   # Without TensorFlow, `import tensorflow_datasets` registers only some builders; the
   # translation ones (wmt*, ted_*, opus, para_crawl) register when their package is imported.
   import tensorflow_datasets.translate  # noqa: F401
@@ -55,6 +70,12 @@ def prepare(
   for an unknown name, and for a stock builder when TensorFlow, which its download and
   extraction code needs, is not installed.
   """
+  if max_examples_per_split is not None and (
+    not is_integer(max_examples_per_split) or max_examples_per_split < 1
+  ):
+    raise UserInputError(
+      f'--max_examples_per_split must be a positive integer, got {max_examples_per_split!r}'
+    )
   dataset_builder = builder(name, data_dir)
   if dataset_builder.is_prepared():
     return dataset_builder.info

@@ -16,6 +16,7 @@ from transformer_jax.metric_writers import format_duration, log
 from transformer_jax.progress import progress
 
 PAD_ID, EOS_ID, BOS_ID, UNK_ID = 0, 1, 2, 3
+MODEL_TYPES = ('bpe', 'unigram', 'word', 'char')  # SentencePiece's.
 
 
 class Tokenizer:
@@ -45,6 +46,8 @@ class Tokenizer:
     path = paths.local_or_remote(path)
     if not path.exists():
       raise FileNotFoundError(f'vocabulary not found: {path}')
+    if path.is_dir():
+      raise UserInputError(f'{path}: is a directory, not a SentencePiece model')
     return cls(path.read_bytes(), str(path))
 
   @classmethod
@@ -64,6 +67,10 @@ class Tokenizer:
     report: shows the sentences read (of `total`, if given) with rate and ETA, then that
     SentencePiece trains, then how long it took (see `progress.py`; process 0 only).
     """
+    if model_type not in MODEL_TYPES:  # SentencePiece: a ValueError deep in its trainer.
+      raise UserInputError(
+        f'vocabulary model_type must be one of {", ".join(MODEL_TYPES)}, got {model_type!r}'
+      )
     model = io.BytesIO()
     if report:
       sentences = _reported(sentences, total, max_sentences, vocab_size)
