@@ -5,8 +5,7 @@ into `error: <message>` and exit status 2. The tables:
 
 * CASES: the library and the Python API, in-process (fast);
 * FIELD_CASES: config fields, each refused before any data is prepared or anything written;
-* XFAIL_CASES and the marked COMMAND_CASES: mistakes still badly handled, in inference.py,
-  metrics.py and cli.py (strict: each must fail until its fix lands);
+* API_CASES: Python API mistakes of inference.py and metrics.py;
 * COMMAND_CASES: every command run as a user runs it (a subprocess each, so few): exit status
   2, one `error:` line, no traceback, nothing written.
 """
@@ -364,7 +363,7 @@ CASES = [
     'negative length penalty',
     lambda t, d: check_decoding_options(alpha=-0.5),
     UserInputError,
-    r'alpha must be a number >= 0, got -0\.5',
+    r'alpha must be a finite number >= 0, got -0\.5',
   ),
   (
     'translate batch size 0',
@@ -781,59 +780,49 @@ def _translator() -> Translator:
   return random_weight_translator()
 
 
-_NOT_YET = 'still badly handled: needs a fix in {} (issue 16)'
-
-# Mistakes still badly handled (strict xfail: each test must fail until its fix lands).
-XFAIL_CASES = [
+# Python API mistakes that were tracebacks or silently wrong (inference.py, metrics.py).
+API_CASES = [
   pytest.param(
-    # Today: ValueError: invalid literal for int() with base 10: 'best' (a traceback).
+    # Old: ValueError: invalid literal for int() with base 10: 'best' (a traceback).
     lambda t: Translator.from_checkpoint(_vocabulary_workdir(t), 'best'),
     r"checkpoint must be a step number, 'averaged' or 'latest', got 'best'",
     id='Translator: checkpoint name',
-    marks=pytest.mark.xfail(strict=True, reason=_NOT_YET.format('inference.py (_restore)')),
   ),
   pytest.param(
-    # Today: int(1.5): step 1 is loaded, silently.
+    # Old: int(1.5): step 1 is loaded, silently.
     lambda t: Translator.from_checkpoint(_vocabulary_workdir(t), 1.5),
     r"checkpoint must be a step number, 'averaged' or 'latest', got 1\.5",
     id='Translator: fractional checkpoint step',
-    marks=pytest.mark.xfail(strict=True, reason=_NOT_YET.format('inference.py (_restore)')),
   ),
   pytest.param(
-    # Today: AttributeError: 'int' object has no attribute 'strip'.
+    # Old: AttributeError: 'int' object has no attribute 'strip'.
     lambda t: _translator().translate([1, 2]),
     r'sentence 0 is int, not str',
     id='translate: numbers for sentences',
-    marks=pytest.mark.xfail(strict=True, reason=_NOT_YET.format('inference.py (translate)')),
   ),
   pytest.param(
-    # Today: AttributeError: 'NoneType' object has no attribute 'strip'.
+    # Old: AttributeError: 'NoneType' object has no attribute 'strip'.
     lambda t: _translator().translate(['one', None]),
     r'sentence 1 is NoneType, not str',
     id='translate: None among the sentences',
-    marks=pytest.mark.xfail(strict=True, reason=_NOT_YET.format('inference.py (translate)')),
   ),
   pytest.param(
-    # Today: accepted; every hypothesis longer than one token scores -0.
+    # Old: accepted; every hypothesis longer than one token scores -0.
     lambda t: check_decoding_options(alpha=float('inf')),
     r'alpha must be a finite number >= 0, got inf',
     id='infinite length penalty',
-    marks=pytest.mark.xfail(
-      strict=True, reason=_NOT_YET.format('inference.py (check_decoding_options)')
-    ),
   ),
   pytest.param(
-    # Today: '3 source lines but 4 reference lines': the strings are read letter by letter.
+    # Old: '3 source lines but 4 reference lines': the strings are read letter by letter.
     lambda t: metrics.evaluate(None, 'one', 'eins'),
     r'takes lists of sentences, got a single str',
     id='evaluate API: a string for the sentences',
-    marks=pytest.mark.xfail(strict=True, reason=_NOT_YET.format('metrics.py (evaluate)')),
   ),
 ]
 
 
-@pytest.mark.parametrize('run, pattern', XFAIL_CASES)
-def test_still_badly_handled(tmp_path, run, pattern):
+@pytest.mark.parametrize('run, pattern', API_CASES)
+def test_an_api_mistake_is_a_one_line_error(tmp_path, run, pattern):
   with pytest.raises(UserInputError, match=pattern) as raised:
     run(tmp_path)
   assert '\n' not in str(raised.value)
@@ -848,9 +837,6 @@ def _command(tmp_path, *argv):
 
 
 _TRAIN = os.path.join(REPO_ROOT, 'train.py')
-_CLI_XFAIL = pytest.mark.xfail(
-  strict=True, reason=_NOT_YET.format("cli.py (absl's flag errors exit 1, the status of a bug)")
-)
 
 # (argv run in an empty folder, with W a workdir there that does not exist; regex of the
 # `error:` line). Each exits 2 with that one line, no traceback, and writes nothing.
@@ -909,20 +895,17 @@ COMMAND_CASES = [
   pytest.param(
     ['-m', 'transformer_jax.translate', '--workdir=W', '--beam_size=abc'],
     r'error: .*--beam_size',
-    id='translate: a word for a number',  # today: "FATAL Flags parsing error", exit 1
-    marks=_CLI_XFAIL,
+    id='translate: a word for a number',  # old: "FATAL Flags parsing error", exit 1
   ),
   pytest.param(
     [_TRAIN, '--config.num_train_steps=100'],
     r'error: .*--workdir',
-    id='train: no --workdir',  # today: "FATAL Flags parsing error", exit 1
-    marks=_CLI_XFAIL,
+    id='train: no --workdir',  # old: "FATAL Flags parsing error", exit 1
   ),
   pytest.param(
     [_TRAIN, '--workdir=W', '--config.num_train_steps=1e3'],
     r'error: .*config\.num_train_steps',
-    id='train: a float for an integer field',  # today: "FATAL Flags parsing error", exit 1
-    marks=_CLI_XFAIL,
+    id='train: a float for an integer field',  # old: "FATAL Flags parsing error", exit 1
   ),
 ]
 
@@ -938,4 +921,4 @@ def test_a_command_mistake_exits_2_with_one_line(tmp_path, argv, pattern):
 
 
 def test_the_tables_have_at_least_eighty_cases():
-  assert len(CASES) + len(FIELD_CASES) + len(XFAIL_CASES) + len(COMMAND_CASES) >= 80
+  assert len(CASES) + len(FIELD_CASES) + len(API_CASES) + len(COMMAND_CASES) >= 80

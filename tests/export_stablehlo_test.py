@@ -273,7 +273,7 @@ def test_a_variant_that_cannot_be_exported_is_refused_in_one_line(translator):
     (dict(beam_sizes=(1, 0)), r'^beam_sizes must be positive integers, got 0$'),
     (dict(beam_sizes=(4, 4)), r'^beam_sizes must be distinct'),
     (dict(quantization='int8'), r'^--quantization=int8: --format=stablehlo exports float32'),
-    (dict(alpha=-1.0), r'^alpha must be a number >= 0'),
+    (dict(alpha=-1.0), r'^alpha must be a finite number >= 0'),
   ],
 )
 def test_impossible_options_are_refused_before_anything_is_written(

@@ -285,7 +285,7 @@ def test_bad_decoding_flags_are_one_line_errors_before_any_checkpoint_is_read(tm
   assert result.returncode == 2
   assert (
     result.stderr.decode().strip().splitlines()[-1]
-    == 'error: alpha must be a number >= 0, got -1.0'
+    == 'error: alpha must be a finite number >= 0, got -1.0'
   )
 
 

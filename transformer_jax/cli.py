@@ -15,6 +15,7 @@ from typing import Callable, NoReturn
 
 import ml_collections
 from absl import app
+from absl import flags as absl_flags
 from ml_collections import config_flags
 
 from transformer_jax import errors
@@ -82,8 +83,19 @@ def _help_exits_zero(parse: Callable[[list[str]], list[str]], argv: list[str]) -
     raise
 
 
+def _parse_or_exit_2(argv: list[str]) -> list[str]:
+  """absl's parsing, with a bad flag (an unknown name, a missing required flag, a value of the
+  wrong type) as one `error:` line and status 2: absl prints 'FATAL Flags parsing error' and
+  exits 1, the status of a bug."""
+  try:
+    return absl_flags.FLAGS(argv)
+  except absl_flags.Error as error:
+    message = ' '.join(line.strip() for line in str(error).splitlines() if line.strip())
+    exit_with_error(f'{message} (--helpfull lists every flag)')
+
+
 def _parse_plain(argv: list[str]) -> list[str]:
-  return _help_exits_zero(app.parse_flags_with_usage, argv)
+  return _help_exits_zero(_parse_or_exit_2, argv)
 
 
 def define_config_flag(default: str, help_text: str, lock_config: bool = True) -> None:
@@ -103,7 +115,7 @@ def define_config_flag(default: str, help_text: str, lock_config: bool = True) -
 def parse_flags(argv: list[str]) -> list[str]:
   """absl's flag parsing, with the config errors above as one line (for `app.run`)."""
   try:
-    return _help_exits_zero(app.parse_flags_with_usage, argv)
+    return _help_exits_zero(_parse_or_exit_2, argv)
   except _CONFIG_FLAG_ERRORS as error:
     exit_with_error(config_flag_message(error))
 

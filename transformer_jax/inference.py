@@ -193,8 +193,8 @@ def check_decoding_options(beam_size: int = 4, alpha: float = 0.6, batch_size: i
   """One-line errors for impossible decoding settings, raised before any checkpoint is read."""
   if not is_integer(beam_size) or beam_size < 1:
     raise UserInputError(f'beam_size must be a positive integer, got {beam_size!r}')
-  if not is_number(alpha) or not alpha >= 0:
-    raise UserInputError(f'alpha must be a number >= 0, got {alpha!r}')
+  if not is_number(alpha) or not 0 <= alpha < float('inf'):
+    raise UserInputError(f'alpha must be a finite number >= 0, got {alpha!r}')
   if not is_integer(batch_size) or batch_size < 1:
     raise UserInputError(f'batch_size must be a positive integer, got {batch_size!r}')
 
@@ -291,6 +291,10 @@ class Translator:
     max_len = self.model_config.max_len
     encoded: list[list[int] | None] = []
     for index, sentence in enumerate(sentences):
+      if not isinstance(sentence, str):
+        raise UserInputError(
+          f'Translator.translate: sentence {index} is {type(sentence).__name__}, not str'
+        )
       if not sentence.strip():
         encoded.append(None)
         continue
@@ -382,6 +386,10 @@ class Translator:
 
 
 def _restore(workdir: Workdir, checkpoint: int | str | None, abstract_params):
+  if not (checkpoint in (None, 'averaged', 'latest') or is_integer(checkpoint)):
+    raise UserInputError(
+      f"checkpoint must be a step number, 'averaged' or 'latest', got {checkpoint!r}"
+    )
   averaged = workdir.averaged
   with Checkpointer(workdir.checkpoints, keep=None, async_save=False) as checkpointer:
     if checkpoint == 'averaged' or (checkpoint is None and is_params_checkpoint(averaged)):

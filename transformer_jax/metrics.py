@@ -117,6 +117,9 @@ def evaluate(
   dataset: the config.dataset the model was trained on, which says which scores mean something.
   progress: reports the sentences translated with rate and ETA (`Translator.translate`).
   """
+  if isinstance(sources, str) or isinstance(references, str):
+    # A str is a sequence too: it would be scored letter by letter.
+    raise UserInputError('metrics.evaluate takes lists of sentences, got a single str')
   if len(sources) != len(references):
     raise UserInputError(f'{len(sources)} source lines but {len(references)} reference lines')
   start = time.time()
