@@ -312,8 +312,10 @@ def test_average_in_a_loop_while_checkpoints_are_saved_and_pruned(tmp_path):
     saver.wait()
   assert not failures, failures[:3]
   assert len(averages) >= 5
-  for result in averages:  # Each the mean of the constants 2s-1 of the steps it names.
-    assert len(result['averaged_steps']) == 2, result
+  # Two complete checkpoints when the saver is between saves; one while the newest is still
+  # being written and the oldest is already being pruned (a loaded machine sees both).
+  assert all(1 <= len(result['averaged_steps']) <= 2 for result in averages), averages[:3]
+  assert any(len(result['averaged_steps']) == 2 for result in averages)
   latest = averages[-1]
   bias = np.asarray(
     restore_params_from(

@@ -45,6 +45,16 @@ def _train_command(workdir, data_dir) -> list[str]:
   ]
 
 
+@pytest.fixture(autouse=True)
+def _sigint_handled_as_in_a_terminal():
+  """A shell that starts the suite in the background (`.ci/run &`) makes it and its children
+  ignore SIGINT, and an ignored signal stays ignored across exec. Catching it here gives every
+  child started in a test the default disposition back (exec resets caught signals)."""
+  previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+  yield
+  signal.signal(signal.SIGINT, previous)
+
+
 def _signal_when_logged(command, text: str, signum: int) -> tuple[int, float, str]:
   """Starts `command`, sends `signum` once its log has a line containing `text`: (exit status,
   seconds from the signal to the exit, everything it wrote to stderr)."""

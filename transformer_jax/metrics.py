@@ -161,7 +161,8 @@ def evaluate_files(
     out = Workdir(workdir).hypotheses_file(src, checkpoint, beam_size, alpha)
     text_io.check_writable_output(out, '--out', make_folders=True)
   translator = Translator.from_checkpoint(workdir, checkpoint, batch_size)
-  dataset = Workdir(workdir).read_run_config()['config'].get('dataset')
+  saved = Workdir(workdir).read_run_config_if_present() or {}
+  dataset = saved.get('config', {}).get('dataset')
   hypotheses, result = evaluate(
     translator,
     sources,
