@@ -12,9 +12,9 @@ stored dtype. Only N checkpoints still on disk can be averaged: training keeps t
 `keep_checkpoints`, so --last=5 needs keep_checkpoints >= 5.
 
 It may run while training goes on in the same workdir: the directory is listed afresh (not
-through the checkpoint library's cached listing), a checkpoint still being saved or being pruned is skipped,
-also when it goes while being read (`checkpointing.restore_complete_params_to_host`), and the
-log names every one skipped.
+through the checkpoint library's cached listing), a checkpoint still being saved or being
+pruned is skipped, also when it goes while being read
+(`checkpointing.restore_complete_params_to_host`), and the log names every one skipped.
 """
 
 from __future__ import annotations
