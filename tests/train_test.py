@@ -52,6 +52,11 @@ def test_train_py_writes_everything_inference_needs(trained_workdir):
     assert os.path.exists(os.path.join(workdir, name)), name
   assert sorted(os.listdir(os.path.join(workdir, 'checkpoints'))) == ['3', '6']
   assert 'step 6/6 | loss' in log and 'tok/s' in log and 'ETA' in log
+  # The silent seconds before the first step are said: vocabulary, tokenizing, compiling (the
+  # dataset's generation is logged too: number_words_test).
+  assert 'training the 96-piece vocabulary' in log and 'tokenizing number_words_tiny' in log
+  assert log.index('compiling the training step') < log.index('training step compiled')
+  assert log.index('training step compiled') < log.index('step 3/6 | loss')
   assert 'test exact match (greedy, 200 sentences): ' in log and 'chrF' in log
   # Number words: exact match per category, and no BLEU (one-word outputs have no 4-grams).
   assert 'test exact match by category:' in log
