@@ -100,8 +100,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.grad_accum_steps = 1
 
   # --- Optimisation -----------------------------------------------------------------------
-  # Total optimiser steps.
-  config.num_train_steps = 2000
+  # Total optimiser steps. 1,600 (~4 min on 2 CPU cores) clear 98% on every test category on
+  # the seeds tried; 2,000 gained nothing (README.md, "The default task").
+  config.num_train_steps = 1600
   # Warmup of the paper's schedule lr = scale * d_model^-0.5 * min(step^-0.5, step*warmup^-1.5).
   config.warmup_steps = 250
   # Multiplier on that schedule (1.0 in the paper). 0.3, gentler than 0.5, makes this short run
