@@ -127,6 +127,7 @@ WORKDIR_NAMES = (
   'tensorboard',
   'token_cache',
   'hypotheses',
+  'ctranslate2_export',
   '.lock',
 )
 

@@ -1,10 +1,11 @@
 """The translation server (`python -m transformer_jax.serve`), end to end: real servers in
-subprocesses on 127.0.0.1, a workdir trained for a few steps, answers compared with
-`Translator.translate` run in a process of its own.
+subprocesses on 127.0.0.1, a workdir trained for 200 steps of a tiny model, answers compared
+with `Translator.translate` run in a process of its own.
 
-Two servers: `server` (batches of up to 4, beam 4 and alpha 0.6) and `slow_server`, whose requests
-wait 6 s for companions but time out after 2 s, with room for one waiting request: its
-requests are still queued when the tests look (504, 503, SIGTERM while in flight). The
+Three servers: `server` (batches of up to 4, beam 4 and alpha 0.6), `slow_server`, whose
+requests wait 6 s for companions but time out after 2 s, with room for one waiting request: its
+requests are still queued when the tests look (504, 503, SIGTERM while in flight), and
+`ct2_server`, `server` on --engine=ctranslate2 with float32 weights (greedy served too). The
 processes share a JAX persistent compilation cache, so programs compiled once load later.
 """
 
@@ -22,14 +23,18 @@ import threading
 import time
 import urllib.parse
 
+import jax
 import numpy as np
 import pytest
 
-from transformer_jax import train_lib
+from transformer_jax import serving, serving_ctranslate2, train_lib
 from transformer_jax.data import number_words
 from transformer_jax.errors import UserInputError
-from transformer_jax.serving import batch_buckets, parse_decoding
+from transformer_jax.inference import Translator
+from transformer_jax.serving import parse_decoding
 from transformer_jax.serving_batcher import Batcher, Closed, Engine, Metrics, QueueFull
+from transformer_jax.serving_jax import batch_buckets
+from transformer_jax.workdir import Workdir
 
 from conftest import tiny_config
 
@@ -53,6 +58,7 @@ maps = translator.attention(sentences[1])
 with open(out, 'w') as f:
   json.dump({
     'beam': translator.translate(sentences, beam_size=4, alpha=0.6),
+    'greedy': translator.translate(sentences, beam_size=1),
     'attention': {'source_tokens': maps.source_tokens, 'target_tokens': maps.target_tokens,
                   'cross_attention': maps.cross.tolist()},
   }, f)
@@ -62,7 +68,10 @@ with open(out, 'w') as f:
 @pytest.fixture(scope='module')
 def workdir(data_dir, tmp_path_factory):
   config = tiny_config(data_dir)
-  config.num_train_steps = config.checkpoint_every_steps = 20
+  # 200 steps: an undertrained model's beam-4 outputs are degenerate ('zwzwzw...'), and there
+  # CTranslate2's beam search and ours part ways on ~1 sentence in 5 (0 greedy); here on ~1 in 50
+  # random number words, on none of SENTENCES (tests/export_test.py: a trained model).
+  config.num_train_steps = config.checkpoint_every_steps = 200
   # Two length buckets (8 and 16 tokens) rather than three: fewer programs to compile.
   config.model.max_len = config.max_source_length = config.max_target_length = 16
   path = str(tmp_path_factory.mktemp('serve') / 'workdir')
@@ -82,14 +91,16 @@ def env(tmp_path_factory):
 
 @pytest.fixture(scope='module')
 def reference(workdir, env, tmp_path_factory):
-  """Translator.translate's answers for SENTENCES (batch size 4: it fills the cache with the
-  programs of the server's largest batch bucket), and Translator.attention for SENTENCES[1]."""
+  """Translator.translate's answers for SENTENCES, beam 4 and greedy (batch size 4: it fills
+  the cache with the programs of the server's largest batch bucket), and Translator.attention
+  for SENTENCES[1]."""
   out = tmp_path_factory.mktemp('reference') / 'reference.json'
   command = [sys.executable, '-c', REFERENCE, workdir, json.dumps(SENTENCES), str(out)]
   subprocess.run(command, env=env, check=True, timeout=300, stdout=subprocess.DEVNULL)
   with open(out) as f:
     answers = json.load(f)
   answers[BEAM] = answers.pop('beam')
+  answers[GREEDY] = answers.pop('greedy')
   return answers
 
 
@@ -172,6 +183,23 @@ def slow_server(workdir, env, reference, tmp_path_factory):
   running.stop()
 
 
+@pytest.fixture(scope='module')
+def ct2_server(workdir, env, reference, tmp_path_factory):
+  folder = tmp_path_factory.mktemp('ct2')
+  flags = [*SERVER_FLAGS[:-1], '--decoding=4:0.6,1:0']
+  running = Server(
+    workdir,
+    env,
+    folder / 'log',
+    '--engine=ctranslate2',
+    '--quantization=float32',
+    f'--ctranslate2_dir={folder / "model"}',
+    *flags,
+  )
+  yield running
+  running.stop()
+
+
 class _RecordingEngine(Engine):
   """Uppercases; records each batch it was given."""
 
@@ -218,6 +246,77 @@ def test_the_batcher_groups_by_options_sorts_by_length_and_answers_each_request(
     batcher.submit(['z'], BEAM)
 
 
+class _GatedEngine(_RecordingEngine):
+  """Records each batch; each call signals `entered` and waits for one `release`."""
+
+  def __init__(self):
+    super().__init__()
+    self.entered, self.permits = threading.Semaphore(0), threading.Semaphore(0)
+
+  def translate(self, sentences, beam_size, alpha):
+    self.entered.release()
+    assert self.permits.acquire(timeout=30)
+    return super().translate(sentences, beam_size, alpha)
+
+
+def test_the_batcher_waits_for_as_many_sentences_as_the_last_round_brought():
+  engine = _GatedEngine()
+  batcher = Batcher(engine, Metrics(), max_batch_size=4, max_wait_s=0.2, max_queue=8)
+  batcher.start()
+
+  def submit(*sentences):
+    return [batcher.submit([sentence], BEAM) for sentence in sentences]
+
+  def decode(tickets):  # Lets the batch being decoded finish; returns its answers.
+    engine.permits.release()
+    return [ticket.future.result(10) for ticket in tickets]
+
+  # Before any round a full batch is expected: a lone request goes after max_wait.
+  first = submit('a')
+  assert engine.entered.acquire(timeout=10)
+  batcher.max_wait_s = 60  # From here on, a wait would outlast the test (changed mid-decode).
+  arrived = submit('b', 'c', 'd')
+  assert decode(first) == [['A']]
+  # That round brought 1 + 3 sentences: the 3 wait for a fourth.
+  assert not engine.entered.acquire(timeout=0.2)
+  arrived += submit('e')
+  assert engine.entered.acquire(timeout=10)
+  batcher.max_wait_s = 0.2
+  assert decode(arrived) == [['B'], ['C'], ['D'], ['E']]
+  # Four, none arriving meanwhile: four expected, so a lone request waits out max_wait...
+  lone = submit('f')
+  assert engine.entered.acquire(timeout=10)
+  batcher.max_wait_s = 60
+  assert decode(lone) == [['F']]
+  # ... after which one is expected: the next goes at once, as a lone client's always do.
+  lone = submit('g')
+  assert engine.entered.acquire(timeout=10)
+  arrived = submit('h', 'i')
+  assert decode(lone) == [['G']]
+  # 1 + 2: three expected, fewer than a batch.
+  assert not engine.entered.acquire(timeout=0.2)
+  arrived += submit('j')
+  assert engine.entered.acquire(timeout=10)
+  # Two queue while those are decoded, and wait longer than max_wait meanwhile...
+  batcher.max_wait_s = 1
+  late = submit('k', 'l')
+  time.sleep(1.2)
+  assert decode(arrived) == [['H'], ['I'], ['J']]
+  # ... but the third, which only comes now, is waited for (up to max_wait from now).
+  late += submit('m')
+  assert engine.entered.acquire(timeout=10)
+  assert decode(late) == [['K'], ['L'], ['M']]
+  assert [call[0] for call in engine.calls] == [
+    ['a'],
+    ['b', 'c', 'd', 'e'],
+    ['f'],
+    ['g'],
+    ['h', 'i', 'j'],
+    ['k', 'l', 'm'],
+  ]
+  assert batcher.close(timeout=10)
+
+
 def test_decoding_options_and_batch_buckets():
   assert parse_decoding('4:0.6, 1, 1:0.6, 2:0') == ((4, 0.6), (1, 0.0), (2, 0.0))
   for bad in ('4', '0:0.6', '4:-1', '4:nan', 'x', ''):
@@ -245,6 +344,11 @@ def test_translations_equal_the_translators(server, reference):
 def _requests(count):
   """Requests of 1 to 3 of SENTENCES (mixed lengths): (indices, decoding options)."""
   return [([(i + 3 * j) % len(SENTENCES) for j in range(1 + i % 3)], BEAM) for i in range(count)]
+
+
+def _mixed_requests(count):
+  """`_requests`, every other one greedy."""
+  return [(indices, GREEDY if i % 2 else BEAM) for i, (indices, _) in enumerate(_requests(count))]
 
 
 def _answer_concurrently(server, reference, requests):
@@ -417,7 +521,92 @@ def test_sigterm_answers_the_request_in_flight_then_exits_0(slow_server, referen
   assert slow_server.output().rstrip().endswith('stopped')
 
 
-def test_the_ctranslate2_engine_is_refused_for_now(tmp_path):
+# --- --engine=ctranslate2 ------------------------------------------------------------------------
+
+
+def test_ctranslate2_translations_equal_the_jax_engines(ct2_server, reference):
+  assert re.search(r'float32 CTranslate2 model exported to \S+/model, loaded', ct2_server.output())
+  for key in (BEAM, GREEDY):
+    assert _translate(ct2_server, SENTENCES, key)[::2] == (200, {'translations': reference[key]})
+    for size in range(1, len(SENTENCES) + 1):  # One request at a time: 1 to 8 sentences.
+      answer = _translate(ct2_server, SENTENCES[-size:], key)
+      assert answer[2] == {'translations': reference[key][-size:]}
+  before = ct2_server.metrics()
+  _answer_concurrently(ct2_server, reference, _mixed_requests(16))
+  after = ct2_server.metrics()
+  assert after['requests'] - before['requests'] == 16
+  assert 0 < after['batches'] - before['batches'] < 16, (before, after)
+
+
+def test_ctranslate2_metrics_health_and_no_attention(ct2_server):
+  status, _, body = ct2_server.post({'text': SENTENCES[1]}, '/v1/attention')
+  assert (status, body) == (501, {'error': 'the ctranslate2 engine has no attention maps'})
+  assert ct2_server.request('GET', '/healthz')[::2] == (
+    200,
+    {'status': 'ok', 'engine': 'ctranslate2'},
+  )
+  metrics = ct2_server.metrics()
+  assert (metrics['engine'], metrics['compilations'], metrics['compilations_since_ready']) == (
+    'ctranslate2',
+    0,
+    0,
+  )
+  assert metrics['batch_buckets'] is None
+  assert metrics['decoding'] == [{'beam_size': 4, 'alpha': 0.6}, {'beam_size': 1, 'alpha': 0.0}]
+
+
+def test_the_ctranslate2_export_is_reused_only_for_the_same_checkpoint(workdir, tmp_path):
+  default = os.fspath(Workdir(workdir).ctranslate2_export)
+  folder, restored, reused = serving_ctranslate2.prepare(workdir, None, 'int8')
+  assert (folder, reused) == (default, False)
+  assert {'model.bin', 'sentencepiece.model', serving_ctranslate2.SOURCE_FILE} <= set(
+    os.listdir(folder)
+  )
+  record = serving_ctranslate2.read_source(folder)
+  assert (record['quantization'], record['checkpoint']) == (
+    'int8',
+    'default (averaged if current, else latest)',
+  )
+  assert serving_ctranslate2.prepare(workdir, 'latest', 'int8', default)[::2] == (default, True)
+  # Another weight type, or other parameters (another checkpoint), is another export.
+  assert serving_ctranslate2.prepare(workdir, None, 'float32')[2] is False
+  assert serving_ctranslate2.read_source(default)['quantization'] == 'float32'
+  digest = serving_ctranslate2.source_digest(restored, 'float32', '4.8.5')
+  params = jax.tree.map(np.array, restored.params)
+  params['shared_embedding']['embedding'][5, 3] += 1e-6
+  other = Translator(restored.model_config, params, restored.tokenizer, batch_size=1)
+  assert serving_ctranslate2.source_digest(other, 'float32', '4.8.5') != digest
+  assert serving_ctranslate2.source_digest(restored, 'int8', '4.8.5') != digest
+  assert serving_ctranslate2.source_digest(restored, 'float32', '4.8.6') != digest
+  # A folder the server did not write is never replaced; nothing is left beside the export.
+  foreign = tmp_path / 'mine'
+  foreign.mkdir()
+  (foreign / 'notes.txt').write_text('keep me')
+  with pytest.raises(
+    UserInputError, match=rf'--ctranslate2_dir={foreign} holds files the server did not write'
+  ):
+    serving_ctranslate2.prepare(workdir, None, 'int8', str(foreign))
+  assert (foreign / 'notes.txt').read_text() == 'keep me'
+  assert not [name for name in os.listdir(workdir) if name.startswith('.ctranslate2_export')]
+
+
+def test_ctranslate2_only_options_are_refused_with_the_jax_engine(tmp_path):
+  for options in (
+    serving.ServerOptions(quantization='int8'),
+    serving.ServerOptions(ctranslate2_dir=str(tmp_path)),
+    serving.ServerOptions(intra_threads=2),
+  ):
+    only = '--quantization, --ctranslate2_dir and --intra_threads are for --engine=ctranslate2'
+    with pytest.raises(UserInputError, match=f'^{only}$'):
+      serving.serve(str(tmp_path), options=options)
+
+
+def test_without_ctranslate2_the_engine_is_a_one_line_error(tmp_path):
+  # A `ctranslate2` that cannot be imported, ahead of the installed one on the path.
+  (tmp_path / 'ctranslate2.py').write_text(
+    "raise ModuleNotFoundError('No module named ctranslate2')\n"
+  )
+  env = dict(os.environ, PYTHONPATH=f'{tmp_path}{os.pathsep}{os.environ.get("PYTHONPATH", "")}')
   result = subprocess.run(
     [
       sys.executable,
@@ -429,8 +618,9 @@ def test_the_ctranslate2_engine_is_refused_for_now(tmp_path):
     capture_output=True,
     text=True,
     timeout=120,
+    env=env,
   )
   assert (result.returncode, result.stderr.strip().splitlines()[-1]) == (
     2,
-    'error: --engine=ctranslate2 is not available yet; use --engine=jax',
+    "error: --engine=ctranslate2 needs the ctranslate2 package: pip install -e '.[export]'",
   )

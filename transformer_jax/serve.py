@@ -1,16 +1,18 @@
 """Serves translations over HTTP, with dynamic batching:
 
-    python -m transformer_jax.serve --workdir=DIR [--port=8000]
+    python -m transformer_jax.serve --workdir=DIR [--port=8000] [--engine=jax|ctranslate2]
     curl -s localhost:8000/v1/translate -d '{"text": ["one hundred"], "beam_size": 4}'
 
 POST /v1/translate, POST /v1/attention, GET /healthz, GET /metrics (JSON) and a page at / that
 shows a translation and its cross-attention. Binds to 127.0.0.1 unless --host says otherwise;
-every batch and sentence length is compiled at start-up. SIGTERM drains and exits 0.
+every batch and sentence length is compiled at start-up. --engine=ctranslate2 exports the model
+(int8 unless --quantization says otherwise) into the workdir, or reuses that export when it was
+made from the same checkpoint, and has no attention maps. SIGTERM drains and exits 0.
 """
 
 from absl import flags
 
-from transformer_jax import cli, serving
+from transformer_jax import cli, export_ctranslate2, serving, serving_ctranslate2
 
 FLAGS = flags.FLAGS
 
@@ -24,7 +26,31 @@ def _define_flags():
     "Step number, 'averaged' or 'latest' (default: the "
     'averaged checkpoint if current, else the latest).',
   )
-  flags.DEFINE_enum('engine', 'jax', serving.ENGINES, 'Decoding backend.')
+  flags.DEFINE_enum(
+    'engine',
+    'jax',
+    serving.ENGINES,
+    'Decoding backend: jax, or ctranslate2 (the model exported at start-up; the [export] extra).',
+  )
+  flags.DEFINE_enum(
+    'quantization',
+    None,
+    export_ctranslate2.QUANTIZATIONS,
+    f'ctranslate2: weight type (default {serving_ctranslate2.DEFAULT_QUANTIZATION}; float32 '
+    'translates exactly as --engine=jax).',
+  )
+  flags.DEFINE_string(
+    'ctranslate2_dir',
+    None,
+    'ctranslate2: the export folder, reused when made from the same checkpoint (default: '
+    'inside the workdir).',
+  )
+  flags.DEFINE_integer(
+    'intra_threads',
+    None,
+    f'ctranslate2: OpenMP threads (default {serving_ctranslate2.DEFAULT_THREADS}; more only on '
+    'cores nothing else uses: see serving_ctranslate2.py).',
+  )
   flags.DEFINE_string('host', defaults.host, 'Address to listen on (0.0.0.0: every interface).')
   flags.DEFINE_integer('port', defaults.port, 'Port to listen on (0: any free port).')
   flags.DEFINE_integer('max_batch_size', defaults.max_batch_size, 'Sentences decoded together.')
@@ -56,6 +82,9 @@ def main(argv):
     max_chars=FLAGS.max_chars,
     timeout_s=FLAGS.timeout_s,
     decoding=FLAGS.decoding,
+    quantization=FLAGS.quantization,
+    ctranslate2_dir=FLAGS.ctranslate2_dir,
+    intra_threads=FLAGS.intra_threads,
   )
   serving.serve(
     FLAGS.workdir,

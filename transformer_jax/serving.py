@@ -5,11 +5,11 @@
     GET  /healthz, GET /metrics (JSON), GET / (a page: translation and attention heatmap)
 
 Concurrent requests are batched (`serving_batcher.py`) and decoded by one worker thread, never
-on the event loop. The JAX engine keeps one `Translator` per batch bucket (powers of two up to
---max_batch_size) over the same parameters: with `Translator`'s own length buckets, every
-shape a request can need is compiled at start-up, once per served (beam_size, alpha) pair, and
-/metrics counts XLA compilations (`jax.monitoring`) to show that none happen afterwards.
-Errors are JSON, {"error": "..."}; SIGTERM (or Ctrl-C) stops accepting connections, answers
+on the event loop. The JAX engine (`serving_jax.py`) compiles every shape a request can need at
+start-up, and /metrics counts XLA compilations to show that none happen afterwards.
+--engine=ctranslate2 exports the model at start-up (or reuses the export) and decodes through
+CTranslate2 in the same batcher (`serving_ctranslate2.py`); it has no attention maps. Errors are
+JSON, {"error": "..."}; SIGTERM (or Ctrl-C) stops accepting connections, answers
 the requests already received, and returns (the command exits 0).
 """
 
@@ -26,10 +26,8 @@ import signal
 import socket
 import sys
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
-import jax
-import numpy as np
 from absl import logging
 
 try:  # The optional [serve] extra; `serve` says what is missing.
@@ -44,7 +42,7 @@ except ModuleNotFoundError as missing:
 else:
   _MISSING = None
 
-from transformer_jax.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from transformer_jax import serving_ctranslate2
 from transformer_jax.errors import (
   UserInputError,
   check_integer_at_least,
@@ -53,8 +51,8 @@ from transformer_jax.errors import (
   is_integer,
   is_number,
 )
-from transformer_jax.inference import Translator, _bucket
 from transformer_jax.serving_batcher import Batcher, Closed, DecodingKey, Engine, Metrics, QueueFull
+from transformer_jax.serving_jax import CompileCounter, JaxEngine
 
 ENGINES = ('jax', 'ctranslate2')
 # Seconds a client is told to wait (Retry-After) when the queue is full.
@@ -78,6 +76,11 @@ class ServerOptions:
   max_chars: int = 1000
   timeout_s: float = 30.0
   decoding: str = '4:0.6,1:0'
+  # --engine=ctranslate2 only (serving_ctranslate2.py): weight type (None: int8), export folder
+  # (None: inside the workdir), OpenMP threads (None: 1).
+  quantization: str | None = None
+  ctranslate2_dir: str | None = None
+  intra_threads: int | None = None
 
   def check(self) -> tuple[DecodingKey, ...]:
     """One-line errors for impossible settings; returns the served decoding options."""
@@ -88,6 +91,8 @@ class ServerOptions:
     check_positive_integer('--max_chars', self.max_chars)
     check_number_at_least('--timeout_s', self.timeout_s, 0, strict=True)
     check_integer_at_least('--port', self.port, 0)
+    if self.intra_threads is not None:
+      check_positive_integer('--intra_threads', self.intra_threads)
     if self.port > 65535:
       raise UserInputError(f'--port must be at most 65535, got {self.port}')
     return parse_decoding(self.decoding)
@@ -120,142 +125,6 @@ def decoding_key(beam_size: int, alpha: float) -> DecodingKey | None:
 
 def describe(key: DecodingKey) -> str:
   return 'beam_size=1 (greedy)' if key[0] == 1 else f'beam_size={key[0]} alpha={key[1]:g}'
-
-
-def batch_buckets(max_batch_size: int) -> list[int]:
-  """Powers of two below max_batch_size, then max_batch_size: at most 2x padding."""
-  buckets = [1]
-  while buckets[-1] * 2 < max_batch_size:
-    buckets.append(buckets[-1] * 2)
-  return sorted(set(buckets + [max_batch_size]))
-
-
-class CompileCounter:
-  """Counts XLA compilations in this process (each executable built, or loaded from JAX's
-  persistent cache), through `jax.monitoring`'s backend-compile duration event."""
-
-  EVENT = '/jax/core/compile/backend_compile_duration'
-  CACHE_HIT = '/jax/compilation_cache/cache_hits'
-
-  def __init__(self):
-    self.count = 0
-    self.seconds = 0.0
-    self.persistent_cache_hits = 0
-    jax.monitoring.register_event_duration_secs_listener(self._on_duration)
-    jax.monitoring.register_event_listener(self._on_event)
-
-  def _on_duration(self, event: str, duration: float, **kwargs) -> None:
-    if event == self.EVENT:
-      self.count += 1
-      self.seconds += duration
-      logging.info('compiled %s in %.2f s', kwargs.get('fun_name'), duration)
-
-  def _on_event(self, event: str, **kwargs) -> None:
-    if event == self.CACHE_HIT:
-      self.persistent_cache_hits += 1
-
-  def close(self) -> None:
-    jax.monitoring.unregister_event_duration_listener(self._on_duration)
-    jax.monitoring.unregister_event_listener(self._on_event)
-
-
-class JaxEngine(Engine):
-  """`Translator`s sharing one set of parameters, one per batch bucket: a batch of n sentences
-  runs on the smallest bucket >= n, so its shapes are among those `warm_up` compiled."""
-
-  name = 'jax'
-
-  def __init__(self, translator: Translator, max_batch_size: int):
-    self.max_batch_size = max_batch_size
-    self.tokenizer = translator.tokenizer
-    self.model_config = translator.model_config
-    self.params = translator.params
-    self.buckets = batch_buckets(max_batch_size)
-    self._translators = {
-      size: Translator(self.model_config, self.params, self.tokenizer, batch_size=size)
-      for size in self.buckets
-    }
-    model = self._translators[self.buckets[0]].model
-    # The attention maps run at one shape, (1, max_len) on both sides (see `attention`).
-    self._attention_apply = jax.jit(
-      lambda params, src, tgt_in: model.apply(
-        {'params': params}, src, tgt_in, mutable=['intermediates']
-      )[1]['intermediates']
-    )
-
-  @classmethod
-  def load(cls, workdir: str, checkpoint: int | str | None, max_batch_size: int) -> 'JaxEngine':
-    return cls(Translator.from_checkpoint(workdir, checkpoint, max_batch_size), max_batch_size)
-
-  def length(self, sentence: str) -> int:
-    return len(self.tokenizer.encode(sentence))
-
-  def length_buckets(self) -> list[int]:
-    max_len = self.model_config.max_len
-    return sorted({_bucket(n, max_len) for n in range(1, max_len + 1)})
-
-  def translate(self, sentences: Sequence[str], beam_size: int, alpha: float) -> list[str]:
-    rows = sum(1 for sentence in sentences if sentence.strip())  # Blank ones are not decoded.
-    if rows > self.max_batch_size:
-      raise ValueError(f'{rows} sentences in one batch; at most {self.max_batch_size}')
-    size = next(size for size in self.buckets if size >= rows)
-    return self._translators[size].translate(list(sentences), beam_size=beam_size, alpha=alpha)
-
-  def warm_up(self, options: Sequence[DecodingKey]) -> None:
-    """Decodes one sentence per (decoding option, batch bucket, length bucket)."""
-    sentences = [self._sentence_of(length) for length in self.length_buckets()]
-    for beam_size, alpha in options:
-      for size, translator in self._translators.items():
-        for sentence in sentences:
-          began = time.perf_counter()
-          translator.translate([sentence], beam_size=beam_size, alpha=alpha)
-          logging.info(
-            'warmed up %s batch %d length %d in %.2f s',
-            describe((beam_size, alpha)),
-            size,
-            self.length(sentence) + 1,
-            time.perf_counter() - began,
-          )
-    self._cross_attention(sentences[0], sentences[0])
-
-  def _sentence_of(self, length: int) -> str:
-    """A sentence of `length` - 1 pieces (with EOS: `length` tokens), one word repeated."""
-    for piece in range(EOS_ID + 1, self.tokenizer.vocab_size):
-      word = self.tokenizer.decode([piece]).strip()
-      if not word or any(char.isspace() for char in word):
-        continue
-      sentence = ' '.join([word] * (length - 1))
-      if self.length(sentence) == length - 1:
-        return sentence
-    raise RuntimeError(f'no warm-up sentence of {length} tokens in this vocabulary')
-
-  def attention(self, source: str, beam_size: int, alpha: float) -> dict[str, Any]:
-    """The translation of `source` and its cross-attention, [layers][heads][target][source]."""
-    (target,) = self._translators[self.buckets[0]].translate([source], beam_size, alpha)
-    source_tokens, target_tokens, cross = self._cross_attention(source, target)
-    return {
-      'translation': target,
-      'source_tokens': source_tokens,
-      'target_tokens': target_tokens,
-      'cross_attention': np.round(cross.astype(np.float64), 5).tolist(),
-    }
-
-  def _cross_attention(self, source: str, target: str) -> tuple[list[str], list[str], np.ndarray]:
-    """`Translator.attention`'s cross-attention, padded to (1, max_len) so that one compiled
-    program serves every sentence (padding is masked: it changes no weight of a real token)."""
-    max_len = self.model_config.max_len
-    source_ids = self.tokenizer.encode(source)[: max_len - 1] + [EOS_ID]
-    target_ids = self.tokenizer.encode(target)[: max_len - 1] + [EOS_ID]
-    src = np.full((1, max_len), PAD_ID, np.int32)
-    src[0, : len(source_ids)] = source_ids
-    tgt_in = np.full((1, max_len), PAD_ID, np.int32)
-    tgt_in[0, : len(target_ids)] = [BOS_ID] + target_ids[:-1]
-    weights = self._attention_apply(self.params, src, tgt_in)
-    # Sown once per scanned call: [layers, batch=1, heads, queries, keys].
-    (cross,) = weights['decoder_layers']['cross_attention']['attention_weights']
-    cross = np.asarray(cross, np.float32)[:, 0, :, : len(target_ids), : len(source_ids)]
-    source_tokens = self.tokenizer.pieces(source_ids[:-1]) + ['</s>']
-    return source_tokens, self.tokenizer.pieces(target_ids[:-1]) + ['</s>'], cross
 
 
 class RequestError(Exception):
@@ -353,6 +222,8 @@ class Service:
         raise RequestError(400, f'"text" must be a non-blank string, got {_kind(text)}')
       (source,) = self._sentences([text])
       key = self._decoding(payload)
+      if not self.engine.has_attention:
+        raise RequestError(501, f'the {self.engine.name} engine has no attention maps')
       ticket = self.batcher.submit_job(functools.partial(self.engine.attention, source, *key))
       return await self._wait(ticket)
 
@@ -534,17 +405,32 @@ def serve(
     raise UserInputError(
       f"the server needs {_MISSING}: pip install 'transformer_jax[serve]' (Starlette, uvicorn)"
     )
-  if engine == 'ctranslate2':
-    raise UserInputError('--engine=ctranslate2 is not available yet; use --engine=jax')
   if engine not in ENGINES:
     raise UserInputError(f'--engine must be one of {", ".join(ENGINES)}, got {engine!r}')
+  if engine == 'ctranslate2':
+    serving_ctranslate2.require()
+  elif options.quantization or options.ctranslate2_dir or options.intra_threads is not None:
+    raise UserInputError(
+      '--quantization, --ctranslate2_dir and --intra_threads are for --engine=ctranslate2'
+    )
   sock = bind(options.host, options.port)
-  counter = CompileCounter()
   began = time.perf_counter()
-  jax_engine = JaxEngine.load(workdir, checkpoint, options.max_batch_size)
-  jax_engine.warm_up(decoding)
+  if engine == 'jax':
+    counter = CompileCounter()
+    loaded = JaxEngine.load(workdir, checkpoint, options.max_batch_size)
+  else:
+    counter = None  # CTranslate2 compiles nothing; restoring for the export is not serving.
+    loaded, how = serving_ctranslate2.load(
+      workdir,
+      checkpoint,
+      max_batch_size=options.max_batch_size,
+      quantization=options.quantization,
+      directory=options.ctranslate2_dir,
+      intra_threads=options.intra_threads,
+    )
+  loaded.warm_up(decoding)
   warmup_s = time.perf_counter() - began
-  service = Service(jax_engine, options, compile_counter=counter, warmup_s=warmup_s)
+  service = Service(loaded, options, compile_counter=counter, warmup_s=warmup_s)
   service.batcher.start()
   config = uvicorn.Config(
     service.app,
@@ -556,8 +442,9 @@ def serve(
   )
   sock.listen(config.backlog)  # Clients that come before uvicorn runs wait in the backlog.
   host, port = sock.getsockname()[:2]
+  how = f'{counter.count} programs compiled' if counter else how
   print(
-    f'serving on http://{host}:{port} ({counter.count} programs compiled in {warmup_s:.1f} s; '
+    f'serving on http://{host}:{port} ({how} in {warmup_s:.1f} s; '
     f'{", ".join(describe(key) for key in decoding)})',
     file=sys.stderr,
     flush=True,

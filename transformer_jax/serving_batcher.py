@@ -1,11 +1,19 @@
 """Dynamic batching for the translation server: the engine interface, the request queue and the
-one worker thread that decodes, and the server's counters. No JAX here (see `serving.py`).
+one worker thread that decodes, and the server's counters. No JAX here (see `serving_jax.py`).
 
 Requests wait in a bounded FIFO queue. The worker takes the oldest as soon as the queue holds
-`max_batch_size` sentences or the oldest has waited `max_wait_s`, then more requests while they
-fit in one batch; their sentences are grouped by decoding options (beam size, alpha), sorted by
-length, and decoded `max_batch_size` at a time: one `Engine.translate` call per batch. Each
-request's future gets its own translations, in its own order.
+the sentences it expects (below) or the oldest has waited `max_wait_s`, then more requests while
+they fit in one batch; their sentences are grouped by decoding options (beam size, alpha),
+sorted by length, and decoded `max_batch_size` at a time: one `Engine.translate` call per batch.
+Each request's future gets its own translations, in its own order.
+
+What the worker expects is what the last round brought: the sentences it decoded plus those that
+arrived meanwhile (at most `max_batch_size`; `max_batch_size` before the first batch), and it
+waits for them up to `max_wait_s` after it is free again, however long the oldest has waited
+(during that round). Waiting pays only when companions are on their way: a lone client is
+answered without waiting (after one wait at most, when traffic falls), while N clients that
+send again as soon as they are answered are gathered into batches of N again, rather than of
+the first one to come back and then of the N - 1 that queued while it was decoded.
 """
 
 from __future__ import annotations
@@ -24,7 +32,8 @@ DecodingKey = tuple[int, float]
 
 
 class Engine:
-  """What the server needs from a translation backend (JAX here; CTranslate2 later).
+  """What the server needs from a translation backend (`serving_jax.JaxEngine`,
+  `serving_ctranslate2.CTranslate2Engine`).
 
   `translate` is the one method an engine must have: at most `max_batch_size` sentences in,
   one translation per sentence out, in order, '' for a blank sentence. The others have
@@ -34,6 +43,7 @@ class Engine:
 
   name = 'engine'
   max_batch_size = 1
+  has_attention = False  # Whether `attention` is implemented (else /v1/attention is a 501).
 
   def translate(self, sentences: Sequence[str], beam_size: int, alpha: float) -> list[str]:
     raise NotImplementedError
@@ -161,6 +171,8 @@ class Batcher:
     self._in_flight = 0
     self._condition = threading.Condition()
     self._closing = False  # No new requests; the worker empties the queue, then ends.
+    self._expected = max_batch_size  # Sentences the next batch waits for (see the docstring).
+    self._free_since = 0.0  # time.monotonic() when the last round ended.
     self._flush = False  # Stop waiting for companions: nobody else is coming.
     self._thread = threading.Thread(target=self._work, name='decoder', daemon=True)
 
@@ -224,10 +236,12 @@ class Batcher:
         if not self._queue:
           return None
         head = self._queue[0]
-        deadline = head.enqueued + self.max_wait_s
+        # Companions are waited for from when the worker was free: requests that queued during
+        # the last decode have waited already, but their companions can only come now.
+        deadline = max(head.enqueued, self._free_since) + self.max_wait_s
         if (
           head.job is not None
-          or self._queued_sentences >= self.max_batch_size
+          or self._queued_sentences >= self._expected
           or self._flush
           or time.monotonic() >= deadline
         ):
@@ -263,6 +277,10 @@ class Batcher:
       finally:
         with self._condition:
           self._in_flight = 0
+          decoded = sum(len(ticket.sentences) for ticket in taken)
+          if decoded:  # A round of sentences (not a job): expect as many next time.
+            self._expected = min(self.max_batch_size, decoded + self._queued_sentences)
+          self._free_since = time.monotonic()
 
   def _decode(self, tickets: list[Ticket]) -> None:
     """One engine call per batch of one decoding key; each ticket gets its own answers."""

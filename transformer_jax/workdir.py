@@ -9,6 +9,7 @@
     DIR/token_cache/            token ids of each split, per dataset and vocabulary
     DIR/data/                   prepared tfds datasets, unless config.data_dir is set
     DIR/hypotheses/             `evaluate`'s translations
+    DIR/ctranslate2_export/     the server's CTranslate2 export (`serve --engine=ctranslate2`)
     DIR/.lock                   held by the training process that owns the workdir
 
 Everything else asks a `Workdir` for these paths. One run per workdir: `Workdir.lock()` takes
@@ -38,6 +39,7 @@ _TENSORBOARD = 'tensorboard'
 _TOKEN_CACHE = 'token_cache'
 _DATA = 'data'
 _HYPOTHESES = 'hypotheses'
+_CTRANSLATE2_EXPORT = 'ctranslate2_export'
 _LOCK_FILE = '.lock'
 
 
@@ -85,6 +87,11 @@ class Workdir:
   def data(self) -> epath.Path:
     """Where prepared datasets go when the config does not name a data_dir."""
     return self.path / _DATA
+
+  @property
+  def ctranslate2_export(self) -> epath.Path:
+    """Where `serve --engine=ctranslate2` keeps its export, unless --ctranslate2_dir is given."""
+    return self.path / _CTRANSLATE2_EXPORT
 
   def token_cache_file(self, dataset_name: str, split: str) -> epath.Path:
     return self.path / _TOKEN_CACHE / f'{dataset_name.replace("/", "_")}-{split}.npz'
