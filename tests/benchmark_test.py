@@ -12,10 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from transformer_jax.benchmark import ctranslate2_comparison, runner, training
 from transformer_jax.benchmark import decoding as decode_benchmark
 from transformer_jax.benchmark import flops as flop_count
 from transformer_jax.benchmark import pipeline as input_benchmark
-from transformer_jax.benchmark import runner, training
+from transformer_jax.benchmark.report import ctranslate2_table
 from transformer_jax.config import TransformerConfig
 from transformer_jax.configs import default
 from transformer_jax.errors import UserInputError
@@ -126,6 +127,12 @@ def test_sizes_are_the_documented_models():
     (dict(beam_size=0), '--beam_size must be an integer >= 1, got 0'),
     (dict(alpha=-1.0), '--alpha must be >= 0, got -1.0'),
     (dict(dropout=1.0), '--dropout must be in [0, 1), got 1.0'),
+    (dict(compare=['onnx']), "--compare: unknown engine 'onnx'; expected ctranslate2"),
+    (
+      dict(compare=['ctranslate2'], sections=['train']),
+      '--compare compares decoding: add decode to --sections',
+    ),
+    (dict(compare_rounds=0), '--compare_rounds must be an integer >= 1, got 0'),
   ],
 )
 def test_impossible_options_are_one_line_errors_before_anything_runs(change, message):
@@ -134,6 +141,46 @@ def test_impossible_options_are_one_line_errors_before_anything_runs(change, mes
   with pytest.raises(UserInputError) as raised:
     runner.run(default.get_config(), runner.Options(**change))
   assert str(raised.value) == message
+
+
+def test_compare_without_ctranslate2_says_how_to_install(monkeypatch):
+  monkeypatch.setitem(sys.modules, 'ctranslate2', None)  # As if not installed.
+  with pytest.raises(UserInputError) as raised:
+    runner.run(default.get_config(), runner.Options(sections=['decode'], compare=['ctranslate2']))
+  assert str(raised.value) == (
+    "--compare=ctranslate2 needs the ctranslate2 package: pip install -e '.[export]'"
+  )
+
+
+def test_ctranslate2_decodes_the_same_model_beside_ours():
+  """The comparison's CTranslate2 model (built by the exporter's converter) decodes the EOS-
+  suppressed random model to the same best hypotheses as ours, for every setting, and the
+  report prints the ratios."""
+  cfg = TransformerConfig(
+    vocab_size=50, d_model=16, d_ff=32, num_heads=2, num_encoder_layers=1, num_decoder_layers=2
+  )
+  dummy = jnp.ones((1, 1), jnp.int32)
+  params = Transformer(cfg).init(jax.random.PRNGKey(0), dummy, dummy)['params']
+  params, suppressed = decode_benchmark.suppress_eos(params, cfg)
+  assert suppressed
+  rng = np.random.default_rng(0)
+  sources = [training.synthetic_ids(rng, np.array([5, 3, 6]), 6, cfg.vocab_size)]
+  result = ctranslate2_comparison.compare_ctranslate2(
+    cfg, params, sources, beam_size=3, decode_length=4, alpha=0.6, rounds=2
+  )
+  assert result['intra_threads'] == ctranslate2_comparison.xla_cpu_threads() >= 1
+  assert set(result['settings']) == {'beam', 'greedy', 'beam_latency'}
+  for name, setting in result['settings'].items():
+    assert setting['same_best_hypothesis'] == 1.0, name
+    assert setting['batch_size'] == (1 if name == 'beam_latency' else 3)
+    assert setting['beam_size'] == (1 if name == 'greedy' else 3)
+    for side in ('ours', 'ctranslate2'):
+      assert setting[side]['mean_output_tokens'] == 4  # min = max decoding length, EOS never
+      assert len(setting[side]['seconds_each_round']) == 2
+      assert setting[side]['tokens_per_second'] > 0
+    assert setting['ratio_min'] <= setting['ratio'] <= setting['ratio_max']
+  table = ctranslate2_table([{'model': 'toy', 'max_decode_len': 4, 'ctranslate2': result}])
+  assert 'decoding vs CTranslate2' in table and 'beam 3, batch 1' in table, table
 
 
 @pytest.mark.parametrize('pre_norm,share_embeddings', [(False, True), (True, False)])

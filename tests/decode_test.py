@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from transformer_jax import decode
 from transformer_jax.decode import (
   beam_search,
   beam_search_uncached,
@@ -411,3 +412,162 @@ def test_beam_works_under_jit():
   assert (tokens[0, :, 3] == EOS).all() and (tokens[2, :, 4] == EOS).all()
   assert (tokens[3, :, 5] == EOS).all()
   assert tokens[1, 0, 0] == EOS and tokens[1, 1, 7] == EOS
+
+
+# --- Model-shaped caches: reorder_cache, cache_lengths, the vocabulary step ------------------
+
+
+class SlotHistoryToy(HistoryToy):
+  """HistoryToy with a cache laid out as a model's keys/values are: each position written once,
+  in the slot of the beam that decoded it, never moved ('slots' [b, beam, L]), and a table of
+  which slot holds each position of a row's prefix ('origin' [b * beam, L]). Only the table
+  follows the parents (`reorder`). The slot history also has a length of its own, which
+  `extend` grows (beam search's cache_lengths); `lengths` records it at every step."""
+
+  def init_cache(self, length=None):
+    length = length or self.max_len
+    rows = self.batch * self.beam_size
+    return {
+      'slots': jnp.full((self.batch, self.beam_size, length), PAD, jnp.int32),
+      'origin': jnp.zeros((rows, length), jnp.int32),
+      'pos': jnp.int32(0),
+      'calls': jnp.int32(0),
+    }
+
+  def step_fn(self, token, cache, lengths=None):
+    b, k, length = cache['slots'].shape
+    pos, slot = cache['pos'], jnp.arange(b * k) % k
+    slots = jax.lax.dynamic_update_slice_in_dim(cache['slots'], token.reshape(b, k, 1), pos, axis=2)
+    origin = jax.lax.dynamic_update_slice_in_dim(cache['origin'], slot[:, None], pos, axis=1)
+    # Row r's prefix: position t from slot origin[r, t] of its sentence.
+    sentence = jnp.arange(b * k) // k
+    hist = slots[sentence[:, None], origin, jnp.arange(length)]  # [b * k, length]
+    hist = jnp.where(jnp.arange(length) <= pos, hist, PAD)
+    hist = jnp.pad(hist, ((0, 0), (0, self.max_len - length)), constant_values=PAD)
+    if lengths is not None:
+      jax.debug.callback(lambda n: lengths.append(int(n)), length)
+    new = dict(cache, slots=slots, origin=origin, pos=pos + 1, calls=cache['calls'] + 1)
+    return self._logits(jnp, hist), new
+
+  @staticmethod
+  def reorder(cache, rows):
+    return dict(cache, origin=jnp.take(cache['origin'], rows, axis=0))
+
+  @staticmethod
+  def extend(cache, length):
+    grow = length - cache['slots'].shape[2]
+    return dict(
+      cache,
+      slots=jnp.pad(cache['slots'], ((0, 0), (0, 0), (0, grow)), constant_values=PAD),
+      origin=jnp.pad(cache['origin'], ((0, 0), (0, grow))),
+    )
+
+
+@pytest.mark.parametrize('batch, beam_size', [(1, 4), (2, 4), (3, 2)])
+def test_beam_search_with_a_cache_reordered_by_its_own_table(batch, beam_size):
+  toy = SlotHistoryToy(batch=batch, max_len=7, beam_size=beam_size)
+  kwargs = dict(
+    batch_size=batch, beam_size=beam_size, max_decode_len=7, bos_id=BOS, eos_id=EOS, pad_id=PAD
+  )
+  cached = beam_search(toy.step_fn, toy.init_cache(), reorder_cache=toy.reorder, **kwargs)
+  uncached = beam_search_uncached(toy.logits_fn, **kwargs)
+  np.testing.assert_array_equal(cached[0], uncached[0])
+  np.testing.assert_allclose(cached[1], uncached[1], rtol=0, atol=1e-5)
+  assert len({tuple(r) for r in np.asarray(cached[0])[0]}) == beam_size
+  if beam_size == 4:
+    # The table is what carries the beams: moving nothing gives other hypotheses.
+    wrong = beam_search(toy.step_fn, toy.init_cache(), reorder_cache=lambda c, r: c, **kwargs)
+    assert not (np.array_equal(wrong[0], cached[0]) and np.allclose(wrong[1], cached[1]))
+
+
+def test_beam_search_grows_the_cache_through_its_lengths():
+  toy = SlotHistoryToy(batch=2, max_len=7, beam_size=3)
+  kwargs = dict(batch_size=2, beam_size=3, max_decode_len=7, bos_id=BOS, eos_id=EOS, pad_id=PAD)
+  lengths = []
+  tokens, scores = beam_search(
+    functools.partial(toy.step_fn, lengths=lengths),
+    toy.init_cache(length=2),
+    reorder_cache=toy.reorder,
+    cache_lengths=(2, 4, 7),
+    extend_cache=toy.extend,
+    **kwargs,
+  )
+  reference = beam_search_uncached(toy.logits_fn, **kwargs)
+  np.testing.assert_array_equal(tokens, reference[0])
+  np.testing.assert_allclose(scores, reference[1], rtol=0, atol=1e-5)
+  # Steps 0-1 ran on 2 positions, 2-3 on 4, then 7 (until the search was decided).
+  assert lengths[:4] == [2, 2, 4, 4] and set(lengths[4:]) <= {7}, lengths
+  # Expanded to beams by beam_search, then grown: the default reordering works as well.
+  plain = beam_search(
+    HistoryToy(2, 7, 3).step_fn,
+    HistoryToy(2, 7, 3).init_cache(),
+    cache_lengths=(3, 7),
+    extend_cache=lambda cache, length: cache,
+    **kwargs,
+  )
+  np.testing.assert_array_equal(plain[0], reference[0])
+
+
+@pytest.mark.parametrize(
+  'cache_lengths, extend, message',
+  [
+    ((2, 4), True, 'must end at max_decode_len'),
+    ((4, 2, 7), True, 'must increase'),
+    ((2, 7), False, 'with extend_cache'),
+  ],
+)
+def test_cache_lengths_are_checked(cache_lengths, extend, message):
+  toy = SlotHistoryToy(batch=1, max_len=7, beam_size=2)
+  with pytest.raises(ValueError, match=message):
+    beam_search(
+      toy.step_fn,
+      toy.init_cache(),
+      reorder_cache=toy.reorder,
+      cache_lengths=cache_lengths,
+      extend_cache=toy.extend if extend else None,
+      batch_size=1,
+      beam_size=2,
+      max_decode_len=7,
+      bos_id=BOS,
+      eos_id=EOS,
+    )
+
+
+@pytest.mark.parametrize('n', [13, 256, 1000, 8000, 37000, 4099])
+@pytest.mark.parametrize('ties', [False, True])
+def test_top_k_by_blocks_is_top_k(n, ties):
+  rng = np.random.default_rng(n)
+  x = rng.normal(size=(3, 2, n)).astype(np.float32)
+  if ties:
+    x = np.round(x * 2) / 2  # Many equal values: the lower index comes first, as top_k's.
+  for count in (1, 8):
+    values, index, block_max = decode._top_k_by_blocks(jnp.asarray(x), min(count, n))
+    expected_values, expected_index = jax.lax.top_k(x, min(count, n))
+    np.testing.assert_array_equal(values, expected_values)
+    np.testing.assert_array_equal(index, expected_index)
+    np.testing.assert_array_equal(np.max(block_max, axis=-1), x.max(axis=-1))
+
+
+@pytest.mark.parametrize('vocab', [5, 300])
+def test_best_extensions_equal_a_top_k_over_every_extension(vocab):
+  """The per-beam top-k then top-k over beam x count equals the search's former step: a
+  log-softmax over the whole vocabulary (PAD excluded) and one top-k over beam x vocab, with
+  forced EOS, dead beams and tied logits."""
+  b, k, count = 3, 4, 8
+  rng = np.random.default_rng(vocab)
+  logits = np.round(rng.normal(size=(b, k, vocab)), 1).astype(np.float32)  # ties
+  alive = rng.normal(size=(b, k)).astype(np.float32)
+  alive[1, 2:] = -np.inf  # dead beams
+  only_eos = np.array([False, False, True])
+  scores, parent, token = decode._best_extensions(
+    jnp.asarray(logits), jnp.asarray(alive), jnp.asarray(only_eos), count, eos_id=EOS, pad_id=PAD
+  )
+  logp = jax.nn.log_softmax(jnp.asarray(logits).at[..., PAD].set(-jnp.inf))
+  logp = jnp.where(only_eos[:, None, None] & (jnp.arange(vocab) != EOS), -jnp.inf, logp)
+  candidates = jnp.where(alive[:, :, None] == -jnp.inf, -jnp.inf, alive[:, :, None] + logp)
+  expected, index = jax.lax.top_k(candidates.reshape(b, k * vocab), count)
+  finite = np.isfinite(expected)
+  np.testing.assert_allclose(scores, expected, rtol=1e-6, atol=1e-6)
+  np.testing.assert_array_equal(np.asarray(parent)[finite], (index // vocab)[finite])
+  np.testing.assert_array_equal(np.asarray(token)[finite], (index % vocab)[finite])
+  assert (np.asarray(token)[2][np.isfinite(scores[2])] == EOS).all()

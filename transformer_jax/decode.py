@@ -19,7 +19,7 @@ traced).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +29,10 @@ import numpy as np
 StepFn = Callable[[jax.Array, Any], tuple[jax.Array, Any]]
 # logits_fn(target_input_ids int32[b, max_len]) -> float32[b, max_len, vocab]
 LogitsFn = Callable[[jax.Array], jax.Array]
+# reorder_cache(cache, rows int32[B]) -> the cache whose row r goes on from row rows[r]
+ReorderFn = Callable[[Any, jax.Array], Any]
+# extend_cache(cache, length) -> the cache made to hold `length` positions
+ExtendFn = Callable[[Any, int], Any]
 
 
 # --- Helpers shared by all searches ------------------------------------------
@@ -233,9 +237,116 @@ def _gather(x: jax.Array, idx: jax.Array) -> jax.Array:
   return x[jnp.arange(x.shape[0])[:, None], idx]
 
 
+def _check_cache_lengths(cache_lengths, extend_cache, max_decode_len) -> tuple[int, ...]:
+  lengths = tuple(cache_lengths)
+  if not lengths:
+    return lengths
+  if extend_cache is None or list(lengths) != sorted(set(lengths)) or lengths[0] < 1:
+    raise ValueError(f'cache_lengths {lengths} must increase from >= 1, with extend_cache')
+  if lengths[-1] != max_decode_len:
+    raise ValueError(f'cache_lengths {lengths} must end at max_decode_len ({max_decode_len})')
+  return lengths
+
+
+def _while_by_cache_length(keep_going, body, state, cache_lengths, extend_cache):
+  """jax.lax.while_loop(keep_going, body, state) for states (step, ..., cache), run as one loop
+  per cache length: loop i takes the steps below cache_lengths[i] on a cache extended to hold
+  that many positions, so early steps attend over the positions decoded so far instead of
+  all. Each loop compiles its own body. No lengths: one loop."""
+  state = tuple(state)
+  if not cache_lengths:
+    return jax.lax.while_loop(keep_going, body, state)
+  for index, length in enumerate(cache_lengths):
+    if index:
+      state = (*state[:-1], extend_cache(state[-1], length))
+    state = jax.lax.while_loop(
+      lambda s, length=length: keep_going(s) & (s[0] < length), body, state
+    )
+  return state
+
+
+def _top_k_block(n: int) -> int | None:
+  """The block size `_top_k_by_blocks` splits n values into: a divisor of n near 128 (a
+  ragged last block would make XLA copy the rest into a slice), or None if n has none."""
+  divisors = [size for size in range(64, 257) if n % size == 0]
+  return min(divisors, key=lambda size: abs(size - 128)) if divisors else None
+
+
+def _top_k_by_blocks(x: jax.Array, count: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """lax.top_k over the last axis of x [..., n], exactly (ties: lower index first), for
+  count << n; also returns the maximum of each block ([..., blocks], or [..., 1]).
+
+  The count largest values lie in the count blocks with the largest maxima (a value outside
+  them has count larger block maxima above it). So one reduction finds those blocks and
+  top_k sorts only their count * block values, in index order, instead of all n: XLA:CPU's
+  top_k sorts each row, where the reduction is vectorised and spread over the cores.
+  """
+  n = x.shape[-1]
+  block = _top_k_block(n)
+  if block is None or n // block <= count:
+    values, index = jax.lax.top_k(x, count)
+    return values, index, jnp.max(x, axis=-1, keepdims=True)
+  lead = x.shape[:-1]
+  block_max = jnp.max(x.reshape(*lead, n // block, block), axis=-1)  # [..., blocks]
+  _, best = jax.lax.top_k(block_max, count)  # [..., count] block numbers
+  # [..., count, block] -> [..., count * block]: indices into x, in index order.
+  index = (jnp.sort(best, axis=-1)[..., None] * block + jnp.arange(block)).reshape(
+    *lead, count * block
+  )
+  values, where = jax.lax.top_k(jnp.take_along_axis(x, index, axis=-1), count)
+  return values, jnp.take_along_axis(index, where, axis=-1), block_max
+
+
+def _best_extensions(
+  logits: jax.Array,
+  alive_logp: jax.Array,
+  only_eos: jax.Array,
+  count: int,
+  *,
+  eos_id: int,
+  pad_id: int,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Each sentence's `count` best one-token extensions of its beams.
+
+  logits [b, k, vocab], alive_logp float32[b, k] (-inf: no
+  beam), only_eos bool[b] (at its max length a sentence may only end; EOS keeps
+  its model log-prob). An extension scores alive_logp + log-softmax of the
+  logits over the vocabulary without PAD. Returns (scores float32[b, count],
+  parent beam int32[b, count], token int32[b, count]), best first, in the order
+  of one top_k over all k * vocab extensions (ties: lower beam, then token).
+
+  A beam's best `count` tokens include all of its extensions among its
+  sentence's best `count`, so a top_k per beam comes first (`_top_k_by_blocks`)
+  and only k * count candidates meet in the second: the vocabulary is read by
+  two reductions (block maxima, then the log-sum-exp), never written out as
+  log-probs.
+  """
+  b, k, vocab = logits.shape
+  neg_inf = jnp.float32(-jnp.inf)
+  # In place (a where would be written out, once per consumer), then read in float32.
+  logits = _mask_pad(logits, pad_id).astype(jnp.float32)
+  per_beam = min(count, vocab)
+  top_logits, tokens, block_max = _top_k_by_blocks(logits, per_beam)  # [b, k, per_beam]
+  row_max = jnp.max(block_max, axis=-1, keepdims=True)  # [b, k, 1]
+  log_norm = jnp.log(jnp.sum(jnp.exp(logits - row_max), axis=-1, keepdims=True))
+  # (x - max) - log(sum(exp(x - max))): jax.nn.log_softmax's arithmetic.
+  logp = (top_logits - row_max) - log_norm
+  eos_logp = (logits[:, :, eos_id, None] - row_max) - log_norm  # [b, k, 1]
+  only_eos = only_eos[:, None, None]
+  logp = jnp.where(only_eos, jnp.where(jnp.arange(per_beam) == 0, eos_logp, neg_inf), logp)
+  tokens = jnp.where(only_eos, eos_id, tokens)
+  # Dead beams (-inf) stay dead even if their logits are not finite.
+  alive = alive_logp[:, :, None]
+  candidates = jnp.where(alive == neg_inf, neg_inf, alive + logp)
+  scores, index = jax.lax.top_k(candidates.reshape(b, k * per_beam), count)
+  token = jnp.take_along_axis(tokens.reshape(b, k * per_beam), index, axis=1)
+  return scores, (index // per_beam).astype(jnp.int32), token.astype(jnp.int32)
+
+
 def _beam_loop(
   next_logits,
   extra: Any,
+  reorder: ReorderFn,
   *,
   batch_size: int,
   beam_size: int,
@@ -245,13 +356,15 @@ def _beam_loop(
   pad_id: int,
   alpha: float,
   max_lengths: jax.Array | None,
+  cache_lengths: tuple[int, ...] = (),
+  extend_cache: ExtendFn | None = None,
 ):
   """The beam while_loop shared by the cached and uncached variants.
 
   next_logits(step, token int32[B, 1], seqs int32[B, L], extra) -> (logits
-  [B, vocab], new_extra) as in _greedy_loop; `extra` (the expanded cache, or
-  None) is reordered after each step so that its rows follow the surviving
-  beams. Returns (tokens [b, k, L], scores [b, k]).
+  [B, vocab], new_extra) as in _greedy_loop; `extra` (the cache, or None) is
+  reordered after each step, reorder(extra, rows), so that its rows follow the
+  surviving beams. Returns (tokens [b, k, L], scores [b, k]).
   """
   _check_lengths(batch_size, max_decode_len)
   if beam_size < 1:
@@ -280,18 +393,10 @@ def _beam_loop(
   def body(state):
     step, token, alive_seq, alive_logp, fin_seq, fin_score, extra = state
     logits, extra = next_logits(step, token, alive_seq.reshape(b * k, seq_len), extra)
-    logp = jax.nn.log_softmax(_mask_pad(logits.astype(jnp.float32), pad_id))
-    logp = logp.reshape(b, k, -1)  # [b,k,V]
-    vocab = logp.shape[-1]
-    # A sentence at its max length may only end; EOS keeps its model log-prob.
-    forced = (step >= last_step)[:, None, None] & (jnp.arange(vocab) != eos_id)
-    logp = jnp.where(forced, neg_inf, logp)
-    # Dead beams (-inf) stay dead even if their logits are not finite.
-    alive = alive_logp[:, :, None]
-    cand = jnp.where(alive == neg_inf, neg_inf, alive + logp)
     # 2k candidates hold at least k non-EOS ones: each parent ends once at most.
-    top_logp, top_idx = jax.lax.top_k(cand.reshape(b, k * vocab), 2 * k)
-    parent, top_token = top_idx // vocab, (top_idx % vocab).astype(jnp.int32)
+    top_logp, parent, top_token = _best_extensions(
+      logits.reshape(b, k, -1), alive_logp, step >= last_step, 2 * k, eos_id=eos_id, pad_id=pad_id
+    )
     top_seq = jax.lax.dynamic_update_slice_in_dim(
       _gather(alive_seq, parent), top_token[:, :, None], step, axis=2
     )
@@ -300,7 +405,7 @@ def _beam_loop(
     alive_logp, idx = jax.lax.top_k(jnp.where(ended, neg_inf, top_logp), k)
     alive_seq = _gather(top_seq, idx)
     rows = jnp.arange(b)[:, None] * k + _gather(parent, idx)  # [b, k]
-    extra = _reorder_rows(extra, rows.reshape(b * k))
+    extra = reorder(extra, rows.reshape(b * k))
 
     new_score = jnp.where(ended, top_logp / length_penalty(step + 1, alpha), neg_inf)
     # Old finished first: top_k keeps the lower index on ties.
@@ -319,8 +424,8 @@ def _beam_loop(
     jnp.full((b, k), neg_inf),
     extra,
   )
-  step, _, alive_seq, alive_logp, fin_seq, fin_score, _ = jax.lax.while_loop(
-    keep_decoding, body, init
+  step, _, alive_seq, alive_logp, fin_seq, fin_score, _ = _while_by_cache_length(
+    keep_decoding, body, init, cache_lengths, extend_cache
   )
 
   # Finished hypotheses first; where fewer than k finished (e.g. none by
@@ -349,6 +454,9 @@ def beam_search(
   pad_id: int = 0,
   alpha: float = 0.6,
   max_lengths: jax.Array | None = None,
+  reorder_cache: ReorderFn | None = None,
+  cache_lengths: Sequence[int] = (),
+  extend_cache: ExtendFn | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """Beam search with an incremental cache and the GNMT length penalty.
 
@@ -369,6 +477,19 @@ def beam_search(
   axis 0) or a 0-d array shared by all rows, e.g. a position counter (passed
   through as step_fn returns it). Shapes and dtypes must not change.
 
+  reorder_cache(cache, rows int32[B]) -> cache replaces both: `cache` is then
+  given as step_fn wants it for the B rows, and after each step reorder_cache
+  returns the cache in which row r goes on from the prefix of row rows[r]
+  (rows[r] is in r's sentence). A model can so keep what does not depend on the
+  beam once per sentence, and keys/values where they were written, moving only
+  a table of which row holds which position instead of every cached array.
+
+  cache_lengths, extend_cache: optional increasing cache lengths ending at
+  max_decode_len. `cache` then holds cache_lengths[0] positions (after its
+  expansion to beams), and before step cache_lengths[i - 1] it becomes
+  extend_cache(cache, cache_lengths[i]): steps attend over a cache not much
+  longer than what they decoded, at the price of one compiled loop per length.
+
   max_lengths: optional int32[batch_size], each sentence's maximum number of
   generated tokens including EOS: at step max_lengths[i] - 1 its beams can
   only emit EOS. Without it, hypotheses are cut at max_decode_len.
@@ -382,10 +503,13 @@ def beam_search(
   convention, scores float32[batch_size, beam_size]), sorted best first; slots
   with no hypothesis at all (fewer than beam_size exist) have score -inf.
   """
-  cache = expand_to_beams(cache, beam_size, batch_size)
+  if reorder_cache is None:
+    cache = expand_to_beams(cache, beam_size, batch_size)
+    reorder_cache = _reorder_rows
   return _beam_loop(
     lambda step, token, seqs, cache: step_fn(token, cache),
     cache,
+    reorder_cache,
     batch_size=batch_size,
     beam_size=beam_size,
     max_decode_len=max_decode_len,
@@ -394,6 +518,8 @@ def beam_search(
     pad_id=pad_id,
     alpha=alpha,
     max_lengths=max_lengths,
+    cache_lengths=_check_cache_lengths(cache_lengths, extend_cache, max_decode_len),
+    extend_cache=extend_cache,
   )
 
 
@@ -419,6 +545,7 @@ def beam_search_uncached(
   return _beam_loop(
     _uncached_next_logits(logits_fn, bos_id),
     None,
+    lambda extra, rows: extra,
     batch_size=batch_size,
     beam_size=beam_size,
     max_decode_len=max_decode_len,

@@ -29,6 +29,7 @@ from transformer_jax.checkpointing import (
 from transformer_jax.config import TransformerConfig
 from transformer_jax.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
 from transformer_jax.decode import strip_after_eos
+from transformer_jax.decoding_cache import extend_cache, reorder_beams, unstack_decoder_layers
 from transformer_jax.errors import UserInputError, is_integer, is_number
 from transformer_jax.models import Transformer
 from transformer_jax.progress import Progress
@@ -36,25 +37,66 @@ from transformer_jax.workdir import Workdir
 
 
 def init_cache(
-  model: Transformer, params, encoded: jax.Array, src_ids: jax.Array, max_decode_len: int
+  model: Transformer,
+  params,
+  encoded: jax.Array,
+  src_ids: jax.Array,
+  max_decode_len: int,
+  beam_size: int = 1,
 ):
-  """Creates the decoding cache: empty self-attention keys/values for `max_decode_len`
-  positions and the cross-attention keys/values projected once from the encoder output.
-
-  The dummy target only fixes the cache's length; under jit XLA drops the unused decoder
-  computation, so only the cross-attention projections actually run.
-  """
-  dummy_targets = jnp.zeros((src_ids.shape[0], max_decode_len), jnp.int32)
+  """Creates the decoding cache (`Transformer.create_cache`) of src_ids.shape[0] sentences,
+  beam_size rows each: empty self-attention keys/values for `max_decode_len` positions and the
+  cross-attention keys/values projected once per sentence from the encoder output."""
+  del src_ids  # The steps read it: the cache holds only what the encoder output gives.
   _, variables = model.apply(
     {'params': params},
     encoded,
-    src_ids,
-    dummy_targets,
-    use_cache=True,
+    max_decode_len=max_decode_len,
+    beam_size=beam_size,
     mutable=['cache'],
-    method=Transformer.decode,
+    method=Transformer.create_cache,
   )
   return variables['cache']
+
+
+# The self-attention cache of beam search's first steps; it doubles, up to the decode length.
+_FIRST_CACHE_LENGTH = 8
+
+
+def _cache_lengths(max_decode_len) -> tuple:
+  """Cached beam search's cache lengths, each a loop of its own (`decode.beam_search`'s
+  cache_lengths): 8, 16, 32, ... below max_decode_len, then max_decode_len, which replaces
+  the last power of two if that is within 25% of it (64 for 66: a loop compiled for 2 steps).
+  A symbolic length (jax.export) gets one loop."""
+  if not isinstance(max_decode_len, int):
+    return (max_decode_len,)
+  lengths, length = [], _FIRST_CACHE_LENGTH
+  while length < max_decode_len:
+    lengths.append(length)
+    length *= 2
+  if lengths and 1.25 * lengths[-1] >= max_decode_len:
+    lengths.pop()
+  return (*lengths, max_decode_len)
+
+
+def _cached_step_fn(model: Transformer, params, src_ids: jax.Array) -> decode.StepFn:
+  """The searches' step: tokens [rows, 1] and the cache -> (logits [rows, v], new cache), for
+  rows = b sentences (src_ids [b, s]) x the cache's beams."""
+  params = unstack_decoder_layers(params)  # Once, outside the search loop.
+
+  def step_fn(token_ids, cache):
+    logits, variables = model.apply(
+      {'params': params, 'cache': cache},
+      None,  # The encoder output: the cache holds its keys and values.
+      src_ids,
+      token_ids,
+      use_cache=True,
+      mutable=['cache'],
+      method=Transformer.decode,
+    )
+    return logits[:, -1], variables['cache']
+
+  return step_fn
 
 
 def greedy_decode(
@@ -67,23 +109,11 @@ def greedy_decode(
   batch_size = src_ids.shape[0]
   encoded = model.apply({'params': params}, src_ids, method=Transformer.encode)
   if use_cache:
-    cache = init_cache(model, params, encoded, src_ids, max_decode_len)
-
-    def step_fn(token_ids, cache):
-      logits, variables = model.apply(
-        {'params': params, 'cache': cache},
-        encoded,
-        src_ids,
-        token_ids,
-        use_cache=True,
-        mutable=['cache'],
-        method=Transformer.decode,
-      )
-      return logits[:, -1], variables['cache']  # [b, v]
-
+    # One cache length: greedy's cache is beam_size times smaller than beam search's, and
+    # growing it (`_cache_lengths`) measured no faster, for one more compiled loop per length.
     return decode.greedy_search(
-      step_fn,
-      cache,
+      _cached_step_fn(model, params, src_ids),
+      init_cache(model, params, encoded, src_ids, max_decode_len),
       batch_size=batch_size,
       max_decode_len=max_decode_len,
       bos_id=BOS_ID,
@@ -124,8 +154,6 @@ def beam_decode(
   """
   batch_size = src_ids.shape[0]
   encoded = model.apply({'params': params}, src_ids, method=Transformer.encode)
-  # The decoder runs on batch * beam rows; the source side is the same for every beam.
-  beam_encoded, beam_src = decode.expand_to_beams((encoded, src_ids), beam_size, batch_size)
   common = dict(
     batch_size=batch_size,
     beam_size=beam_size,
@@ -137,21 +165,20 @@ def beam_decode(
     max_lengths=max_lengths,
   )
   if use_cache:
-    cache = init_cache(model, params, encoded, src_ids, max_decode_len)  # beam_search expands.
+    cache_lengths = _cache_lengths(max_decode_len)
+    # Made for batch * beam rows; its keys/values are never gathered, only its beam table.
+    cache = init_cache(model, params, encoded, src_ids, cache_lengths[0], beam_size)
+    return decode.beam_search(
+      _cached_step_fn(model, params, src_ids),
+      cache,
+      reorder_cache=reorder_beams,
+      cache_lengths=cache_lengths if len(cache_lengths) > 1 else (),
+      extend_cache=extend_cache,
+      **common,
+    )
 
-    def step_fn(token_ids, cache):
-      logits, variables = model.apply(
-        {'params': params, 'cache': cache},
-        beam_encoded,
-        beam_src,
-        token_ids,
-        use_cache=True,
-        mutable=['cache'],
-        method=Transformer.decode,
-      )
-      return logits[:, -1], variables['cache']
-
-    return decode.beam_search(step_fn, cache, **common)
+  # The uncached decoder runs on batch * beam rows; the source side is the same for every beam.
+  beam_encoded, beam_src = decode.expand_to_beams((encoded, src_ids), beam_size, batch_size)
 
   def logits_fn(target_input_ids):
     return model.apply(

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer_jax import matmul
+from transformer_jax import decoding_cache, matmul
 from transformer_jax.config import TransformerConfig
 
 PAD_ID = 0
@@ -123,83 +123,67 @@ def dot_product_attention_weights(query, key, mask, dtype=jnp.float32):
   return jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
 
 
+def _attend(query, key, value, mask, dtype):
+  """softmax(Q K^T / sqrt(d_k)) V over head-major arrays: query [b, h, q, d_k], key [b, h, k, d_k],
+  value [b, h, k, d_v], mask broadcastable to [b, h, q, k] -> [b, h, q, d_v].
+
+  Cached decoding's keys and values are head-major (`decoding_cache`)."""
+  depth = query.shape[-1]
+  query = query / jnp.sqrt(depth).astype(query.dtype)
+  logits = jnp.einsum('bhqd,bhkd->bhqk', query, key, preferred_element_type=jnp.float32)
+  weights = jax.nn.softmax(jnp.where(mask, logits, _MASK_VALUE), axis=-1)
+  return jnp.einsum('bhqk,bhkd->bhqd', weights.astype(dtype), value.astype(dtype))
+
+
+def _attention_projection(cfg: TransformerConfig, features: int, **module_args) -> Projection:
+  """[..., m] -> [..., h, features]. No biases in attention projections (as tensor2tensor and
+  Flax's WMT example): a key bias cannot change the softmax, so its gradient is rounding noise."""
+  axes, dtype = ('embed', 'heads', 'kv'), cfg.compute_dtype
+  return Projection((cfg.num_heads, features), 1, axes, dtype, use_bias=False, **module_args)
+
+
 class MultiHeadAttention(nn.Module):
   """Multi-head attention with separate per-head query/key size and value size.
 
-  In cached decoding (`use_cache=True`) self-attention appends this step's key/value to a cache
-  of shape [b, max_t, h, d]; cross-attention projects the encoder output to keys/values once,
-  when the cache is created, and reuses them at every step.
+  Without `cache`, every query position attends at once (training, uncached decoding). Cached
+  decoding passes one query position for each of b * beam rows and this layer's part of the
+  cache (`decoding_cache`), and gets (output, new cache). Self: this step's key/value is
+  written in each row's slot, `mask` [b, 1, beam, max_t * beam] picks each beam's prefix.
+  Cross: {'key', 'value'} [b, h, s, d], projected once per sentence, returned unchanged.
   """
 
   config: TransformerConfig
   kind: str  # 'self' or 'cross': decides what the cache holds.
 
   @nn.compact
-  def __call__(
-    self,
-    query_inputs,
-    kv_inputs,
-    mask,
-    deterministic: bool,
-    use_cache: bool = False,
-    decode_position=None,
-  ):
+  def __call__(self, query_inputs, kv_inputs, mask, deterministic: bool, cache=None):
     cfg = self.config
     dtype = cfg.compute_dtype
 
     def projection(features, name):
-      # No biases in attention projections (as tensor2tensor and Flax's WMT example): a key
-      # bias cannot change the softmax, so its gradient is pure rounding noise.
-      return Projection(
-        (cfg.num_heads, features), 1, ('embed', 'heads', 'kv'), dtype, use_bias=False, name=name
-      )
+      return _attention_projection(cfg, features, name=name)
 
+    output = Projection(
+      (cfg.d_model,), 2, ('heads', 'kv', 'embed'), dtype, use_bias=False, name='out'
+    )
     query = projection(cfg.head_qk_dim, 'query')(query_inputs)  # [b, q, h, d_k]
+    if cache is not None:
+      beam_size = query.shape[0] // cache['key'].shape[0]
+      queries = decoding_cache.by_sentence(query, beam_size)  # [b, h, beam, d_k]
+      if self.kind == 'cross':
+        heads = _attend(queries, cache['key'], cache['value'], mask, dtype)
+        return output(decoding_cache.by_row(heads)), cache
+      new_cache = {
+        name: decoding_cache.write_step(
+          cache[name], projection(depth, name)(query_inputs), cache['index']
+        )  # [b * beam, 1, h, d] projected, written in [b, h, max_t * beam, d]
+        for name, depth in (('key', cfg.head_qk_dim), ('value', cfg.head_v_dim))
+      }
+      heads = _attend(queries, new_cache['key'], new_cache['value'], mask, dtype)
+      return output(decoding_cache.by_row(heads)), new_cache
 
-    if use_cache and self.kind == 'cross':
-      # The projections run only when the cache is created (the init functions below).
-      cross_key = self.variable(
-        'cache', 'cross_key', lambda: projection(cfg.head_qk_dim, 'key')(kv_inputs)
-      )
-      cross_value = self.variable(
-        'cache', 'cross_value', lambda: projection(cfg.head_v_dim, 'value')(kv_inputs)
-      )
-      key, value = cross_key.value, cross_value.value
-    else:
-      key = projection(cfg.head_qk_dim, 'key')(kv_inputs)  # [b, k, h, d_k]
-      value = projection(cfg.head_v_dim, 'value')(kv_inputs)  # [b, k, h, d_v]
-
-    if use_cache and self.kind == 'self':
-      cache_exists = self.has_variable('cache', 'cached_key')
-      batch, max_length = query_inputs.shape[0], query_inputs.shape[1]
-      cached_key = self.variable(
-        'cache',
-        'cached_key',
-        jnp.zeros,
-        (batch, max_length, cfg.num_heads, cfg.head_qk_dim),
-        key.dtype,
-      )
-      cached_value = self.variable(
-        'cache',
-        'cached_value',
-        jnp.zeros,
-        (batch, max_length, cfg.num_heads, cfg.head_v_dim),
-        value.dtype,
-      )
-      if cache_exists:
-        # One new position per call: write it at decode_position, attend to positions <= it.
-        if query_inputs.shape[1] != 1:
-          raise ValueError(
-            f'cached decoding takes one target position per call, got {query_inputs.shape[1]}'
-          )
-        index = decode_position.astype(jnp.int32)
-        zero = jnp.zeros((), jnp.int32)
-        key = jax.lax.dynamic_update_slice(cached_key.value, key, (zero, index, zero, zero))
-        value = jax.lax.dynamic_update_slice(cached_value.value, value, (zero, index, zero, zero))
-        cached_key.value, cached_value.value = key, value
-        max_length = key.shape[1]
-        mask = (jnp.arange(max_length) <= index)[None, None, None, :]  # [1, 1, 1, max_t]
-
+    key = projection(cfg.head_qk_dim, 'key')(kv_inputs)  # [b, k, h, d_k]
+    value = projection(cfg.head_v_dim, 'value')(kv_inputs)  # [b, k, h, d_v]
     if cfg.attention_impl != 'einsum' and not self.is_mutable_collection('intermediates'):
       # The config rules out attention dropout here. Masked-out keys get a large negative
       # logit, as in the einsum path; rows with no key at all (padding queries) are ignored.
@@ -216,9 +200,7 @@ class MultiHeadAttention(nn.Module):
       if cfg.attention_dropout_rate > 0.0 and not deterministic:
         weights = nn.Dropout(cfg.attention_dropout_rate)(weights, deterministic=False)
       heads = jnp.einsum('bhqk,bkhd->bqhd', weights.astype(dtype), value.astype(dtype))
-    return Projection(
-      (cfg.d_model,), 2, ('heads', 'kv', 'embed'), dtype, use_bias=False, name='out'
-    )(heads)  # [b, q, m]
+    return output(heads)  # [b, q, m]
 
 
 class FeedForward(nn.Module):
@@ -276,26 +258,33 @@ class EncoderLayer(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+  """Self-attention, cross-attention, FFN. With `cache` (cached decoding: {'self': ...,
+  'cross': ...}, see MultiHeadAttention) returns (x, new cache), else (x, None) for nn.scan."""
+
   config: TransformerConfig
 
   @nn.compact
-  def __call__(
-    self, x, encoded, self_mask, cross_mask, decode_position, deterministic: bool, use_cache: bool
-  ):
+  def __call__(self, x, encoded, self_mask, cross_mask, deterministic: bool, cache=None):
     cfg = self.config
     self_attention = MultiHeadAttention(cfg, kind='self', name='self_attention')
     cross_attention = MultiHeadAttention(cfg, kind='cross', name='cross_attention')
+    new_cache = {}
+
+    def attend(y, attention, kind, kv_inputs, mask):  # With a cache, keeps the new one.
+      if cache is None:
+        return attention(y, y if kv_inputs is None else kv_inputs, mask, deterministic)
+      output, new_cache[kind] = attention(y, None, mask, deterministic, cache[kind])
+      return output
+
     x = _Residual(cfg, name='self_attention_block')(
-      x,
-      lambda y: self_attention(y, y, self_mask, deterministic, use_cache, decode_position),
-      deterministic,
+      x, lambda y: attend(y, self_attention, 'self', None, self_mask), deterministic
     )
     x = _Residual(cfg, name='cross_attention_block')(
-      x, lambda y: cross_attention(y, encoded, cross_mask, deterministic, use_cache), deterministic
+      x, lambda y: attend(y, cross_attention, 'cross', encoded, cross_mask), deterministic
     )
     x = _Residual(cfg, name='ffn_block')(x, FeedForward(cfg, name='ffn'), deterministic)
     x = nn.with_logical_constraint(x, ('activation_batch', 'activation_length', 'activation_embed'))
-    return x, None
+    return x, (new_cache if cache is not None else None)
 
 
 def _stacked(
@@ -318,9 +307,7 @@ def _stacked(
     )
   return nn.scan(
     layer_class,
-    # The cache is stacked on axis 1 so every cache array keeps batch as its leading axis,
-    # which is what beam search's batch reshaping expects.
-    variable_axes={'params': 0, 'cache': 1, 'intermediates': 0},
+    variable_axes={'params': 0, 'intermediates': 0},
     split_rngs={'params': True, 'dropout': True},
     in_axes=(nn.broadcast,) * num_broadcast_args,
     length=num_layers,
@@ -420,8 +407,8 @@ class Transformer(nn.Module):
       DecoderLayer,
       cfg,
       cfg.num_decoder_layers,
-      num_broadcast_args=6,
-      num_static_args=2,
+      num_broadcast_args=4,
+      num_static_args=1,
       name='decoder_layers',
     )
     self.decode_position = _DecodePosition(name='decode_position')
@@ -467,52 +454,99 @@ class Transformer(nn.Module):
   ):
     """Decoder: (encoder output [b, s, m], source ids, target inputs [b, t]) -> logits [b, t, v].
 
-    With use_cache=True the first call creates the cache (its target length is the longest
-    decodable length) and later calls take one token [b, 1] each and advance the cache by one.
+    With use_cache=True (after `create_cache`, with mutable=['cache']) each call takes one token
+    per row, tgt_in_ids [b * beam, 1], and the sources once per sentence, src_ids [b, s]
+    (`encoded` is not read: the cache holds its projections); it advances the cache by one.
 
     Packed rows pass both `src_segment_ids` and `tgt_segment_ids` (see `encode`): target
     position i then attends only to earlier positions of its own example and to its own
     example's source. `tgt_positions` default as in `encode`. Cached decoding is not packed.
     """
-    cfg = self.config
     packed = _check_segments(src_segment_ids, tgt_segment_ids)
-    if packed and use_cache:
-      raise ValueError('cached decoding does not take segment ids')
+    if use_cache:
+      if packed or not deterministic:
+        raise ValueError('cached decoding is deterministic and takes no segment ids')
+      return self._cached_step(src_ids, tgt_in_ids)
+    self._check_length(tgt_in_ids, 'target')
     cross_mask = padding_mask(tgt_in_ids, src_ids)
     if packed:
       cross_mask = cross_mask & segment_mask(tgt_segment_ids, src_segment_ids)
-    if use_cache:
-      decode_position = self.decode_position()
-      if decode_position is not None:
-        positions = jnp.broadcast_to(decode_position, tgt_in_ids.shape)
-        self_mask = None  # Built from the cache position inside the attention.
-      else:
-        positions = jnp.broadcast_to(jnp.arange(tgt_in_ids.shape[1]), tgt_in_ids.shape)
-        self_mask = causal_padding_mask(tgt_in_ids)
-    else:
-      self._check_length(tgt_in_ids, 'target')
-      decode_position = None
-      positions = tgt_positions
-      if positions is None:
-        positions = (
-          jnp.broadcast_to(jnp.arange(tgt_in_ids.shape[1]), tgt_in_ids.shape)
-          if not packed
-          else segment_positions(tgt_segment_ids)
-        )
-      self_mask = causal_padding_mask(tgt_in_ids)
-      if packed:
-        self_mask = self_mask & segment_mask(tgt_segment_ids, tgt_segment_ids)
+    positions = tgt_positions
+    if positions is None:
+      positions = (
+        jnp.broadcast_to(jnp.arange(tgt_in_ids.shape[1]), tgt_in_ids.shape)
+        if not packed
+        else segment_positions(tgt_segment_ids)
+      )
+    self_mask = causal_padding_mask(tgt_in_ids)
+    if packed:
+      self_mask = self_mask & segment_mask(tgt_segment_ids, tgt_segment_ids)
     x = self.target_embedder(tgt_in_ids, positions, deterministic)
-    x, _ = self.decoder_layers(
-      x, encoded, self_mask, cross_mask, decode_position, deterministic, use_cache
-    )
-    if cfg.pre_norm:
+    x, _ = self.decoder_layers(x, encoded, self_mask, cross_mask, deterministic)
+    return self._output_logits(x)
+
+  def _output_logits(self, x):
+    """Decoder output [..., m] -> float32 logits [..., v]."""
+    if self.config.pre_norm:
       x = self.decoder_norm(x)
-    if cfg.share_embeddings:
+    if self.config.share_embeddings:
       logits = self.output_embedding.attend(x)
     else:
       logits = self.output_projection(x)
     return logits.astype(jnp.float32)
+
+  def create_cache(self, encoded, *, max_decode_len: int, beam_size: int = 1):
+    """Creates cached decoding's state (call with mutable=['cache']; layout: `decoding_cache`)
+    for b sentences, encoder output encoded [b, s, m], beam_size rows each and max_decode_len
+    positions: empty self-attention keys/values, the encoder output's cross-attention
+    keys/values (projected here, once per sentence), the beam table and the step counter."""
+    cfg = self.config
+
+    def project(params, x):
+      depth = params['kernel'].shape[-1]
+      return _attention_projection(cfg, depth, parent=None).apply({'params': params}, x)
+
+    cache = decoding_cache.create(
+      cfg,
+      decoding_cache.layer_params(self.variables['params']['decoder_layers']),
+      encoded,
+      project,
+      max_decode_len=max_decode_len,
+      beam_size=beam_size,
+    )
+    for name, value in cache.items():
+      self.put_variable('cache', name, value)
+    self.decode_position()  # Creates the counter at 0.
+
+  def _cached_step(self, src_ids, tgt_in_ids):
+    """One cached decoding step: tgt_in_ids [b * beam, 1] -> logits [b * beam, 1, v]."""
+    if not self.has_variable('cache', 'self_attention'):
+      raise ValueError('cached decoding needs a cache: Transformer.create_cache first')
+    if tgt_in_ids.shape[1] != 1:
+      raise ValueError(
+        f'cached decoding takes one target position per call, got {tgt_in_ids.shape[1]}'
+      )
+    index = self.decode_position()  # This step's position; the counter moves on.
+    names = ('self_attention', 'cross_attention', 'beam_of_position')
+    cache = {
+      name: self.get_variable('cache', name) for name in names if self.has_variable('cache', name)
+    }
+    self_mask, cache = decoding_cache.self_attention_mask(cache, tgt_in_ids.shape[0], index)
+    cross_mask = padding_mask(None, src_ids)  # [b, 1, 1, s]
+    x = self.target_embedder(tgt_in_ids, jnp.broadcast_to(index, tgt_in_ids.shape), True)
+    layer = DecoderLayer(self.config, parent=None)
+    new_self_caches = []
+    layers = decoding_cache.layer_params(self.variables['params']['decoder_layers'])
+    for params, self_cache, cross_cache in zip(
+      layers, cache['self_attention'], cache['cross_attention']
+    ):
+      layer_cache = {'self': {**self_cache, 'index': index}, 'cross': cross_cache}
+      x, new = layer.apply({'params': params}, x, None, self_mask, cross_mask, True, layer_cache)
+      new_self_caches.append(new['self'])
+    self.put_variable('cache', 'self_attention', tuple(new_self_caches))
+    if 'beam_of_position' in cache:
+      self.put_variable('cache', 'beam_of_position', cache['beam_of_position'])
+    return self._output_logits(x)
 
   def __call__(
     self,

@@ -2,7 +2,7 @@
 throughput per model size (see `runner.py` for what is measured and how):
 
     python -m transformer_jax.benchmark [--sizes=tiny,small,base] [--dtype=bfloat16] \
-        [--json=bench.json] [--workdir=TRAINED_DEFAULT_RUN]
+        [--json=bench.json] [--workdir=TRAINED_DEFAULT_RUN] [--compare=ctranslate2]
 """
 
 import sys
@@ -101,6 +101,17 @@ def _define_flags():
     '(default: small if benchmarked, else the first size).',
   )
   flags.DEFINE_integer('seed', defaults.seed, 'Seed of parameters and synthetic data.')
+  flags.DEFINE_list(
+    'compare',
+    list(defaults.compare),
+    "Engines that decode each untrained size's model and sources beside ours: ctranslate2 "
+    "(float32, as many threads as XLA uses; pip install -e '.[export]').",
+  )
+  flags.DEFINE_integer(
+    'compare_rounds',
+    defaults.compare_rounds,
+    'Alternating timed rounds of ours and the compared engine (medians reported).',
+  )
 
 
 def main(argv):
@@ -131,6 +142,8 @@ def main(argv):
     pipeline_max_length=FLAGS.pipeline_max_length,
     pipeline_size=FLAGS.pipeline_size,
     seed=FLAGS.seed,
+    compare=[engine for engine in FLAGS.compare if engine],
+    compare_rounds=FLAGS.compare_rounds,
   )
   report = runner.run(
     config,

@@ -28,6 +28,50 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
   return '\n'.join([line(headers), line(['-' * w for w in widths])] + [line(r) for r in rows])
 
 
+_SETTING_NAMES = {'beam': 'beam {beam}', 'greedy': 'greedy', 'beam_latency': 'beam {beam}'}
+
+
+def ctranslate2_table(rows: Sequence[dict]) -> str:
+  """Ours against CTranslate2 per model and setting (`ctranslate2_comparison.py`)."""
+  first = rows[0]['ctranslate2']
+  lines = []
+  for r in rows:
+    for name, s in r['ctranslate2']['settings'].items():
+      lines.append(
+        [
+          r['model'],
+          f'{_SETTING_NAMES[name].format(beam=s["beam_size"])}, batch {s["batch_size"]}',
+          f'{s["ours"]["tokens_per_second"]:.0f}',
+          f'{s["ctranslate2"]["tokens_per_second"]:.0f}',
+          f'{s["ours"]["milliseconds_per_sentence"]:.1f}',
+          f'{s["ctranslate2"]["milliseconds_per_sentence"]:.1f}',
+          f'{s["ratio"]:.2f}x [{s["ratio_min"]:.2f}, {s["ratio_max"]:.2f}]',
+          f'{s["same_best_hypothesis"]:.0%}',
+        ]
+      )
+  return '\n'.join(
+    [
+      f'decoding vs CTranslate2 {first["version"]} ({first["compute_type"]}, '
+      f'intra_threads={first["intra_threads"]}; same weights and sources, '
+      f'{rows[0]["max_decode_len"]} tokens per sentence; {first["settings"]["beam"]["rounds"]} '
+      'alternating rounds, medians; speed = ours / CTranslate2 per round: median [min, max])',
+      _table(
+        [
+          'model',
+          'decoding',
+          'ours tok/s',
+          'CT2 tok/s',
+          'ours ms/sent',
+          'CT2 ms/sent',
+          'speed',
+          'same best',
+        ],
+        lines,
+      ),
+    ]
+  )
+
+
 def format_report(report: dict) -> str:
   m, peak = report['machine'], report['peak']
   out = [
@@ -109,6 +153,9 @@ def format_report(report: dict) -> str:
       ),
       '',
     ]
+  compared = [r for r in report.get('decoding', []) if r.get('ctranslate2')]
+  if compared:
+    out += [ctranslate2_table(compared), '']
   if report.get('pipeline'):
     p = report['pipeline']
     out += [

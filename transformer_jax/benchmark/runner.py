@@ -12,7 +12,9 @@ to --json. Every rate is divided by limits measured in the same run:
     the padded batch the hardware computes, and "useful" MFU on the real tokens only), time to
     the first step (tracing + compilation + one step) and peak memory.
   * decoding: sentences/s and target tokens/s for greedy and beam search, with and without the
-    decoding cache, and the speedup the cache buys.
+    decoding cache, and the speedup the cache buys; with --compare=ctranslate2 the same model
+    and sources decoded by CTranslate2 too, the two timed in alternating rounds
+    (`ctranslate2_comparison.py`).
   * input pipeline: examples/s and padding fraction of each batching mode, and the ratio to the
     examples/s the training step of the matching size consumes.
 
@@ -44,6 +46,11 @@ import ml_collections
 import numpy as np
 
 from transformer_jax import host_memory, text_io
+from transformer_jax.benchmark.ctranslate2_comparison import (
+  ENGINES,
+  compare_ctranslate2,
+  require_ctranslate2,
+)
 from transformer_jax.benchmark.decoding import benchmark_decoding, suppress_eos, trained_decoding
 from transformer_jax.benchmark.flops import FLOPS_FORMULA, PeakTimer
 from transformer_jax.benchmark.pipeline import benchmark_pipeline
@@ -79,8 +86,13 @@ def synthetic_decoding(
   beam_size: int,
   alpha: float,
   seed: int = 0,
+  compare: Sequence[str] = (),
+  compare_rounds: int = 3,
+  progress: Callable[[str], None] = lambda message: None,
 ) -> dict:
-  """An untrained model with EOS suppressed: every sentence is exactly decode_length tokens."""
+  """An untrained model with EOS suppressed: every sentence is exactly decode_length tokens.
+  `compare`: engines that decode the same model and sources beside ours (the row's
+  'ctranslate2': `ctranslate2_comparison.compare_ctranslate2`)."""
   cfg = spec.model_config
   if max(source_length, decode_length) > cfg.max_len:
     cfg = cfg.replace(max_len=max(source_length, decode_length))
@@ -99,7 +111,7 @@ def synthetic_decoding(
     else f'untrained {spec.name} model, synthetic sources; could not suppress EOS (unknown '
     'parameter layout): decoding may stop early, see mean_output_tokens'
   )
-  return benchmark_decoding(
+  row = benchmark_decoding(
     spec.name,
     cfg,
     params,
@@ -111,6 +123,18 @@ def synthetic_decoding(
     trained=False,
     eos_suppressed=suppressed,
   )
+  if 'ctranslate2' in compare:
+    row['ctranslate2'] = compare_ctranslate2(
+      cfg,
+      params,
+      sources,
+      beam_size=beam_size,
+      decode_length=decode_length,
+      alpha=alpha,
+      rounds=compare_rounds,
+      progress=progress,
+    )
+  return row
 
 
 # ----------------------------------------------------------------------------- Report --
@@ -158,6 +182,8 @@ class Options:
   pipeline_max_length: int = 64
   pipeline_size: str = ''  # '' = small if benchmarked, else the first size.
   seed: int = 0
+  compare: Sequence[str] = ()  # Engines decoding beside ours: some of ENGINES.
+  compare_rounds: int = 3
 
 
 def _check_counts(options: Options) -> None:
@@ -172,6 +198,7 @@ def _check_counts(options: Options) -> None:
     'pipeline_examples',
     'pipeline_batches',
     'pipeline_max_length',
+    'compare_rounds',
   )
   for name in positive + ('rows_per_device', 'warmup_steps', 'peak_n'):
     value, least = getattr(options, name), 1 if name in positive else 0
@@ -199,6 +226,12 @@ def _check_before_running(options: Options, json_path: str) -> None:
       f'--pipeline_size: unknown size {options.pipeline_size!r}; expected one of {", ".join(SIZES)}'
     )
   _check_counts(options)
+  for engine in options.compare:
+    if engine not in ENGINES:
+      raise UserInputError(f'--compare: unknown engine {engine!r}; expected {", ".join(ENGINES)}')
+    if 'decode' not in options.sections:
+      raise UserInputError('--compare compares decoding: add decode to --sections')
+    require_ctranslate2()
   if options.workdir and 'decode' in options.sections:
     workdir = Workdir(options.workdir)
     workdir.read_run_config()  # A one-line error if it is not a training workdir.
@@ -283,6 +316,9 @@ def run(
           beam_size=options.beam_size,
           alpha=options.alpha,
           seed=options.seed,
+          compare=options.compare,
+          compare_rounds=options.compare_rounds,
+          progress=progress,
         )
       )
     del params
