@@ -80,6 +80,16 @@ def get_config() -> ml_collections.ConfigDict:
   # Attention kernel: 'einsum' (explicit weights), 'xla' or 'cudnn' (jax.nn.dot_product_attention;
   # 'cudnn' is the fused kernel of NVIDIA GPUs, bf16/fp16 only, no attention dropout).
   config.model.attention_impl = 'einsum'
+  # Marian's variant of the architecture (README, "Start from a pretrained model"); the paper's
+  # values here. Biases on the attention projections.
+  config.model.attention_bias = False
+  # FFN activation: relu (the paper), swish / silu, gelu (erf), gelu_sigmoid (x sigmoid(1.702x)).
+  config.model.ffn_activation = 'relu'
+  # Sinusoid features: 'interleaved' sin/cos (the paper) or 'concatenated' [sin | cos] halves
+  # with tensor2tensor's / Marian's timescales.
+  config.model.sinusoid_layout = 'interleaved'
+  # A learned bias on the output logits.
+  config.model.logits_bias = False
 
   # --- Batching ---------------------------------------------------------------------------
   # 'fixed': per_device_batch_size pairs padded to the maximum lengths (this task's pairs are

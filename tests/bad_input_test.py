@@ -674,6 +674,16 @@ FIELD_CASES = [
     {'vocab_size': 3},
     r'config\.vocab_size=3 leaves no pieces besides the 4 reserved ones \(pad, eos, bos, unk\)',
   ),
+  # Marian's switches (issue 19): a misspelt choice is named with the allowed ones.
+  (
+    {'model.ffn_activation': 'tanh'},
+    r'config\.model\.ffn_activation must be one of relu, swish, silu, gelu, gelu_sigmoid, '
+    r"got 'tanh'",
+  ),
+  (
+    {'model.sinusoid_layout': 'halves'},
+    r"config\.model\.sinusoid_layout must be one of interleaved, concatenated, got 'halves'",
+  ),
   # old: a ValueError traceback from grain's shuffle after the vocabulary was trained.
   ({'seed': -1}, r'config\.seed must be an integer in \[0, 2\*\*32 - 1\], got -1'),
   ({'seed': 2**32}, r'config\.seed must be an integer in \[0, 2\*\*32 - 1\], got 4294967296'),

@@ -20,6 +20,10 @@ CONFIGS = {
   'post_norm_shared': dict(),
   'pre_norm_untied': dict(pre_norm=True, share_embeddings=False),
   'head_sizes_learned_positions': dict(qk_dim=24, v_dim=8, learned_positions=True),
+  # Marian's variant; its biases (zero at init) are drawn at random in `_model`.
+  'marian_variant': dict(
+    attention_bias=True, logits_bias=True, ffn_activation='swish', sinusoid_layout='concatenated'
+  ),
 }
 
 
@@ -37,6 +41,14 @@ def _model(name: str, seed: int = 0):
   model = Transformer(config)
   dummy = jnp.ones((1, 1), jnp.int32)
   params = nn.meta.unbox(model.init(jax.random.PRNGKey(seed), dummy, dummy)['params'])
+  if config.attention_bias or config.logits_bias:
+    rng = np.random.default_rng(seed)
+
+    def randomise_bias(path, leaf):
+      is_bias = jax.tree_util.keystr(path).endswith(("['bias']", "['logits_bias']"))
+      return leaf + 0.3 * rng.standard_normal(leaf.shape).astype(np.float32) if is_bias else leaf
+
+    params = jax.tree_util.tree_map_with_path(randomise_bias, params)
   return model, params
 
 
@@ -57,6 +69,7 @@ def _sources(batch: int, seed: int = 0) -> np.ndarray:
     ('pre_norm_untied', 3, 4, 20),
     ('head_sizes_learned_positions', 2, 4, 12),  # 8, 12
     ('head_sizes_learned_positions', 2, 1, 12),
+    ('marian_variant', 2, 4, 12),
   ],
 )
 def test_cached_beam_search_equals_recomputing_every_prefix(name, batch, beam_size, max_decode_len):

@@ -317,6 +317,16 @@ VARIANTS = {
   'unshared embeddings': dict(share_embeddings=False),
   'learned positions, epsilon 0.3': dict(learned_positions=True, layer_norm_epsilon=0.3),
   'qk_dim 4 != v_dim 12, 3 heads': dict(qk_dim=4, v_dim=12, num_heads=3),
+  # Marian's variant (issue 19): every bias random, so a dropped or misplaced one shows.
+  'attention and logits biases, swish, [sin | cos]': dict(
+    attention_bias=True, logits_bias=True, ffn_activation='swish', sinusoid_layout='concatenated'
+  ),
+  'attention biases, qk_dim 4 != v_dim 12, gelu': dict(
+    attention_bias=True, qk_dim=4, v_dim=12, num_heads=3, ffn_activation='gelu'
+  ),
+  'gelu_sigmoid, pre-LN, unshared, logits bias': dict(
+    ffn_activation='gelu_sigmoid', pre_norm=True, share_embeddings=False, logits_bias=True
+  ),
 }
 
 

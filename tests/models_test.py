@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import traverse_util
 from flax.linen import meta
 
 from transformer_jax import inference, matmul
@@ -19,6 +20,7 @@ from transformer_jax.config import TransformerConfig
 from transformer_jax.data.tokenizer import BOS_ID, EOS_ID
 from transformer_jax.models import (
   PAD_ID,
+  FeedForward,
   MultiHeadAttention,
   Projection,
   Transformer,
@@ -271,6 +273,85 @@ def test_sinusoidal_positions_match_paper_formula():
   got = np.asarray(sinusoidal_positions(jnp.asarray(pos)[None], d))
   assert got.shape == (1, 50, d)
   np.testing.assert_allclose(got[0], expected, atol=2e-5)
+
+
+def test_concatenated_sinusoids_are_tensor2tensors_and_marians():
+  """[sin | cos] halves, timescales 10000^(i / (d/2 - 1)) (tensor2tensor's get_timing_signal_1d;
+  Marian's tensor_operators.cpp): position 0 is [0 ... 0 | 1 ... 1]."""
+  d, pos = 16, np.arange(50)
+  frequency = np.exp(-np.log(10000.0) * np.arange(d // 2) / (d // 2 - 1))
+  expected = np.concatenate(
+    [np.sin(pos[:, None] * frequency), np.cos(pos[:, None] * frequency)], axis=1
+  )
+  got = np.asarray(sinusoidal_positions(jnp.asarray(pos)[None], d, 'concatenated'))[0]
+  np.testing.assert_allclose(got, expected, atol=2e-5)
+  np.testing.assert_array_equal(got[0], [0.0] * 8 + [1.0] * 8)
+  assert frequency[-1] == pytest.approx(1e-4)  # The last timescale is 10000 exactly.
+
+
+@pytest.mark.parametrize(
+  'activation, expected',
+  [
+    ('relu', [0.0, 0.0, 0.5, 2.0]),
+    ('swish', [-0.238406, -0.0, 0.311234, 1.761594]),
+    ('silu', [-0.238406, -0.0, 0.311234, 1.761594]),
+    ('gelu', [-0.045500, -0.0, 0.345731, 1.954500]),  # x Phi(x), with erf
+    ('gelu_sigmoid', [-0.064341, 0.0, 0.350388, 1.935659]),  # x sigmoid(1.702 x)
+  ],
+)
+def test_ffn_activations(activation, expected):
+  """The FFN with identity projections and zero biases is its activation."""
+  cfg = TINY.replace(d_model=4, d_ff=4, num_heads=1, ffn_activation=activation)
+  identity = {'kernel': jnp.eye(4), 'bias': jnp.zeros(4)}
+  x = jnp.array([[-2.0, 0.0, 0.5, 2.0]])
+  y = FeedForward(cfg).apply({'params': {'wi': identity, 'wo': identity}}, x)
+  np.testing.assert_allclose(np.asarray(y)[0], expected, atol=1e-5)
+
+
+def _param_count(cfg):
+  return count_params(_param_shapes(cfg))
+
+
+def test_marian_switches_add_exactly_their_parameters_and_the_logits_bias_adds_to_logits():
+  base = _param_count(TINY)
+  d, layers = TINY.d_model, TINY.num_encoder_layers
+  # Per attention: query, key, value biases [h, d_k] and the output's [d]: 4 d. Encoder layers
+  # have one attention, decoder layers two.
+  assert _param_count(TINY.replace(attention_bias=True)) == base + 4 * d * 3 * layers
+  assert _param_count(TINY.replace(logits_bias=True)) == base + TINY.vocab_size
+  for changes in (dict(ffn_activation='swish'), dict(sinusoid_layout='concatenated')):
+    assert _param_count(TINY.replace(**changes)) == base
+  cfg = TINY.replace(logits_bias=True)
+  params = _random_params(cfg)
+  bias = np.linspace(-1.0, 1.0, cfg.vocab_size).astype(np.float32)
+  without = _logits(cfg, {**params, 'logits_bias': jnp.zeros(cfg.vocab_size)})
+  with_bias = _logits(cfg, {**params, 'logits_bias': jnp.asarray(bias)})
+  np.testing.assert_allclose(with_bias - without, np.broadcast_to(bias, without.shape), atol=1e-5)
+
+
+def test_each_marian_switch_changes_the_logits():
+  params = _random_params(TINY)
+  reference = _logits(TINY, params)
+  for changes in (
+    dict(ffn_activation='swish'),
+    dict(ffn_activation='gelu'),
+    dict(sinusoid_layout='concatenated'),
+  ):
+    assert np.abs(_logits(TINY.replace(**changes), params) - reference).max() > 1e-2, changes
+  # Attention biases: zero ones are the bias-free model exactly; random ones (`_fill`) are not.
+  cfg = TINY.replace(attention_bias=True)
+  biased = traverse_util.flatten_dict(_random_params(cfg))
+  projections = ('query', 'key', 'value', 'out')
+  is_attention_bias = [k for k in biased if k[-1] == 'bias' and k[-2] in projections]
+  assert len(is_attention_bias) == 4 * 3  # Per stack: self (+ cross) attention's four.
+  zeroed = {k: jnp.zeros_like(v) if k in is_attention_bias else v for k, v in biased.items()}
+  stripped = {k: v for k, v in biased.items() if k not in is_attention_bias}
+  np.testing.assert_allclose(
+    _logits(cfg, traverse_util.unflatten_dict(zeroed)),
+    _logits(TINY, traverse_util.unflatten_dict(stripped)),
+    atol=1e-5,
+  )
+  assert np.abs(_logits(cfg, traverse_util.unflatten_dict(biased)) - reference).max() > 1e-2
 
 
 def test_source_longer_than_max_len_is_rejected():

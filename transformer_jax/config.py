@@ -17,7 +17,21 @@ import numpy as np
 from transformer_jax.errors import UserInputError, is_integer, is_number
 
 _ATTENTION_IMPLS = ('einsum', 'xla', 'cudnn')
-_BOOL_FIELDS = ('share_embeddings', 'pre_norm', 'learned_positions', 'remat')
+_BOOL_FIELDS = (
+  'share_embeddings',
+  'pre_norm',
+  'learned_positions',
+  'remat',
+  'attention_bias',
+  'logits_bias',
+)
+# FFN activations: the paper's relu; swish (= silu, x * sigmoid(x), Marian / OPUS-MT's default);
+# gelu (exact, with erf: Marian since 2023-03); gelu_sigmoid (x * sigmoid(1.702 x): Marian's gelu
+# before 2023-03 and CTranslate2's).
+FFN_ACTIVATIONS = ('relu', 'swish', 'silu', 'gelu', 'gelu_sigmoid')
+# 'interleaved': the paper's PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(...).
+# 'concatenated': tensor2tensor's and Marian's [sin | cos] halves, timescales 10000^(i/(d/2-1)).
+SINUSOID_LAYOUTS = ('interleaved', 'concatenated')
 # Token ids every vocabulary reserves (pad, eos, bos, unk: data/tokenizer.py); the model and
 # the decoder index them, so a smaller table would be read out of range (clamped, silently).
 _RESERVED_IDS = 4
@@ -62,6 +76,15 @@ class TransformerConfig:
   # implementation ('cudnn': the fused flash-attention kernel on NVIDIA GPUs, float16/bfloat16
   # only). Attention maps (`Translator.attention`) always use 'einsum'.
   attention_impl: str = 'einsum'
+  # Biases on the attention projections (query, key, value, output). The paper's models, as
+  # tensor2tensor's, have none; Marian's (OPUS-MT) have them.
+  attention_bias: bool = False
+  # Activation between the two FFN projections: one of FFN_ACTIVATIONS.
+  ffn_activation: str = 'relu'
+  # How the sinusoidal encoding lays out its features: one of SINUSOID_LAYOUTS.
+  sinusoid_layout: str = 'interleaved'
+  # A learned bias on the output logits (Marian's decoder_ff_logit_out_b); the paper has none.
+  logits_bias: bool = False
 
   def __post_init__(self):
     self._normalise_numpy_scalars()
@@ -120,6 +143,15 @@ class TransformerConfig:
       raise UserInputError(
         "TransformerConfig.attention_impl='cudnn' needs dtype bfloat16 or float16, got float32"
       )
+    for name, allowed in (
+      ('ffn_activation', FFN_ACTIVATIONS),
+      ('sinusoid_layout', SINUSOID_LAYOUTS),
+    ):
+      if getattr(self, name) not in allowed:
+        raise UserInputError(
+          f'TransformerConfig.{name} must be one of {", ".join(allowed)}, '
+          f'got {getattr(self, name)!r}'
+        )
     if self.dtype not in _DTYPES:
       raise UserInputError(
         f'TransformerConfig.dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}'

@@ -7,18 +7,21 @@ format. What differs silently between the two codebases, and how each difference
   positions     ours interleave sin/cos (PE[2i] = sin, PE[2i+1] = cos, position 0 first);
                 CTranslate2's built-in table is [sin | cos] with another timescale and starts at
                 position 1. The spec lets a model store its own table (`position_encodings`), so
-                ours is stored: `models.sinusoidal_positions` for max_len positions, or the learned
-                tables (source and target apart) with learned_positions.
+                ours is stored: `models.sinusoidal_positions` for max_len positions (in the
+                config's sinusoid_layout), or the learned tables (source and target apart).
   layer norm    epsilon 1e-6 here, CTranslate2's default 1e-5: `config.layer_norm_epsilon`.
   embeddings    x sqrt(d_model) on both sides (`scale_embeddings`); with share_embeddings one
                 matrix is given to source, target and output projection (`optimize` aliases it).
-  attention     no biases here: CTranslate2's linear biases are optional and left unset.
+  attention     no biases by default: CTranslate2's linear biases are optional and left unset
+                (with attention_bias, Marian's variant, they are set, fused as the weights).
                 Self-attention is one fused [Q; K; V] linear, cross-attention a query linear and
                 a fused [K; V] one; flax kernels are [in, heads, head] and become [out, in]
                 matrices, heads major. CTranslate2 splits a fused projection into equal parts,
                 so where qk_dim != v_dim the smaller side is zero-padded to the larger (exact:
                 zero columns add nothing to Q.K, zero value columns meet zero output rows) and
                 `queries_scale` keeps 1/sqrt(qk_dim).
+  FFN           ffn_activation: CTranslate2's Activation of the same function (swish, gelu with
+                erf, gelu_sigmoid); logits_bias goes into the output layer's bias.
   norm order    post-LN (the paper) or pre-LN with a final norm per stack: the spec's `pre_norm`.
   special ids   pad=0, eos=1, bos=2, unk=3 (data/tokenizer.py). The vocabulary is written from
                 the SentencePiece model in id order; sources end with EOS (`add_source_eos`), no
@@ -89,6 +92,18 @@ _CARRIED = {
   'learned_positions',
   'max_len',
   'layer_norm_epsilon',
+  'attention_bias',
+  'ffn_activation',
+  'sinusoid_layout',
+  'logits_bias',
+}
+# TransformerConfig.ffn_activation -> the name of its `ctranslate2.specs.common_spec.Activation`.
+_ACTIVATIONS = {
+  'relu': 'RELU',
+  'swish': 'SWISH',
+  'silu': 'SWISH',
+  'gelu': 'GELU',
+  'gelu_sigmoid': 'GELUSigmoid',
 }
 # Training-only or implementation choices: no effect on what the model computes at inference
 # (dtype: parameters are float32 whatever the compute dtype; CTranslate2's is --quantization).
@@ -159,21 +174,37 @@ def _projection(kernel: np.ndarray, head_dim: int) -> np.ndarray:
   return np.ascontiguousarray(padded.reshape(d_model, heads * head_dim).T)
 
 
+def _projection_bias(projection, head_dim: int) -> np.ndarray | None:
+  """[heads, d] -> [heads * head_dim], each head zero-padded; None without a bias."""
+  if 'bias' not in projection:
+    return None
+  heads, depth = projection['bias'].shape
+  padded = np.zeros((heads, head_dim), np.float32)
+  padded[:, :depth] = projection['bias']
+  return padded.reshape(heads * head_dim)
+
+
 def _set_attention(spec, attention, config: TransformerConfig, self_attention: bool) -> None:
   head_dim = max(config.head_qk_dim, config.head_v_dim)
-  query, key, value = (
-    _projection(attention[n]['kernel'], head_dim) for n in ('query', 'key', 'value')
-  )
+  names = ('query', 'key', 'value')
+  query, key, value = (_projection(attention[n]['kernel'], head_dim) for n in names)
+  biases = [_projection_bias(attention[n], head_dim) for n in names]
   if self_attention:
     spec.linear[0].weight = np.concatenate([query, key, value])  # CTranslate2's fused Q, K, V.
+    if config.attention_bias:
+      spec.linear[0].bias = np.concatenate(biases)
   else:
     spec.linear[0].weight = query
     spec.linear[1].weight = np.concatenate([key, value])  # Fused K, V of the encoder output.
+    if config.attention_bias:
+      spec.linear[0].bias, spec.linear[1].bias = biases[0], np.concatenate(biases[1:])
   out = attention['out']['kernel']  # [heads, d_v, d_model]
   heads, depth, d_model = out.shape
   padded = np.zeros((heads, head_dim, d_model), np.float32)
   padded[:, :depth] = out
   spec.linear[-1].weight = np.ascontiguousarray(padded.reshape(heads * head_dim, d_model).T)
+  if config.attention_bias:
+    spec.linear[-1].bias = _array(attention['out']['bias'])
   spec.queries_scale = np.float32(1.0 / math.sqrt(config.head_qk_dim))
 
 
@@ -186,7 +217,10 @@ def position_table(config: TransformerConfig, params, side: str) -> np.ndarray:
   """[max_len, d_model]: what our model adds at positions 0..max_len-1 ('source' / 'target')."""
   if config.learned_positions:
     return _array(params[f'{side}_embedder']['position_embedding'])
-  return _array(sinusoidal_positions(np.arange(config.max_len)[None], config.d_model)[0])
+  table = sinusoidal_positions(
+    np.arange(config.max_len)[None], config.d_model, config.sinusoid_layout
+  )
+  return _array(table[0])
 
 
 def _embedding(params, config: TransformerConfig, side: str) -> np.ndarray:
@@ -210,7 +244,10 @@ def model_spec(config: TransformerConfig, params, tokenizer: Tokenizer):
       f'expects {config.vocab_size}'
     )
   head_dim = max(config.head_qk_dim, config.head_v_dim)
-  common = dict(num_heads=config.num_heads, pre_norm=config.pre_norm, head_dim=head_dim)
+  activation = getattr(specs.common_spec.Activation, _ACTIVATIONS[config.ffn_activation])
+  common = dict(
+    num_heads=config.num_heads, pre_norm=config.pre_norm, head_dim=head_dim, activation=activation
+  )
   encoder = specs.TransformerEncoderSpec(config.num_encoder_layers, **common)
   decoder = specs.TransformerDecoderSpec(config.num_decoder_layers, **common)
   spec = specs.TransformerSpec(encoder, decoder)
@@ -249,6 +286,8 @@ def model_spec(config: TransformerConfig, params, tokenizer: Tokenizer):
       _array(params['output_projection']['kernel']).T
     )
   bias = np.zeros((config.vocab_size,), np.float32)
+  if config.logits_bias:
+    bias += _array(params['logits_bias'])
   bias[PAD_ID] = PAD_LOGIT_BIAS
   decoder.projection.bias = bias
 

@@ -11,6 +11,7 @@ m = d_model, v = vocabulary.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import flax.linen as nn
@@ -68,17 +69,40 @@ class Projection(nn.Module):
     return y
 
 
-def sinusoidal_positions(positions: jax.Array, d_model: int) -> jax.Array:
-  """PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(...). [b, t] -> [b, t, m]."""
+def sinusoidal_positions(
+  positions: jax.Array, d_model: int, layout: str = 'interleaved'
+) -> jax.Array:
+  """Sinusoidal encodings of positions [b, t] -> [b, t, m].
+
+  'interleaved' (the paper): PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(...).
+  'concatenated' (tensor2tensor's get_timing_signal_1d, Marian's): sines in the first half,
+  cosines in the second, timescales 10000^(i/(d/2 - 1)) for i < d/2.
+  """
   half = d_model // 2
-  inverse_timescale = np.exp(-math.log(10000.0) * np.arange(half) * 2.0 / d_model)
+  if layout == 'concatenated':
+    increment = math.log(10000.0) / max(half - 1, 1)
+    inverse_timescale = np.exp(-increment * np.arange(half))
+  else:
+    inverse_timescale = np.exp(-math.log(10000.0) * np.arange(half) * 2.0 / d_model)
   angles = positions[..., None].astype(jnp.float32) * inverse_timescale  # [b, t, m/2]
-  # Interleave so that even features are sines and odd features cosines, as in the paper.
-  encoding = jnp.stack([jnp.sin(angles), jnp.cos(angles)], axis=-1)  # [b, t, m/2, 2]
-  encoding = encoding.reshape(*positions.shape, 2 * half)  # [b, t, m] (m even)
+  if layout == 'concatenated':
+    encoding = jnp.concatenate([jnp.sin(angles), jnp.cos(angles)], axis=-1)  # [b, t, m]
+  else:
+    # Interleave so that even features are sines and odd features cosines, as in the paper.
+    encoding = jnp.stack([jnp.sin(angles), jnp.cos(angles)], axis=-1)  # [b, t, m/2, 2]
+    encoding = encoding.reshape(*positions.shape, 2 * half)  # [b, t, m] (m even)
   if d_model % 2:
     encoding = jnp.pad(encoding, [(0, 0)] * positions.ndim + [(0, 1)])
   return encoding
+
+
+_ACTIVATIONS = {
+  'relu': nn.relu,
+  'swish': nn.swish,
+  'silu': nn.swish,
+  'gelu': functools.partial(nn.gelu, approximate=False),
+  'gelu_sigmoid': lambda x: x * nn.sigmoid(1.702 * x),
+}
 
 
 def padding_mask(query_ids: jax.Array, key_ids: jax.Array) -> jax.Array:
@@ -136,10 +160,12 @@ def _attend(query, key, value, mask, dtype):
 
 
 def _attention_projection(cfg: TransformerConfig, features: int, **module_args) -> Projection:
-  """[..., m] -> [..., h, features]. No biases in attention projections (as tensor2tensor and
-  Flax's WMT example): a key bias cannot change the softmax, so its gradient is rounding noise."""
+  """[..., m] -> [..., h, features]. No biases unless cfg.attention_bias (Marian's models): the
+  paper's, tensor2tensor's and Flax's WMT example have none (a key bias cannot change the
+  softmax, so its gradient is rounding noise)."""
   axes, dtype = ('embed', 'heads', 'kv'), cfg.compute_dtype
-  return Projection((cfg.num_heads, features), 1, axes, dtype, use_bias=False, **module_args)
+  bias = cfg.attention_bias
+  return Projection((cfg.num_heads, features), 1, axes, dtype, use_bias=bias, **module_args)
 
 
 class MultiHeadAttention(nn.Module):
@@ -164,7 +190,7 @@ class MultiHeadAttention(nn.Module):
       return _attention_projection(cfg, features, name=name)
 
     output = Projection(
-      (cfg.d_model,), 2, ('heads', 'kv', 'embed'), dtype, use_bias=False, name='out'
+      (cfg.d_model,), 2, ('heads', 'kv', 'embed'), dtype, use_bias=cfg.attention_bias, name='out'
     )
     query = projection(cfg.head_qk_dim, 'query')(query_inputs)  # [b, q, h, d_k]
     if cache is not None:
@@ -204,7 +230,8 @@ class MultiHeadAttention(nn.Module):
 
 
 class FeedForward(nn.Module):
-  """Position-wise FFN: Linear(d_model -> d_ff) -> ReLU -> Linear(d_ff -> d_model)."""
+  """Position-wise FFN: Linear(d_model -> d_ff) -> activation (ReLU in the paper) ->
+  Linear(d_ff -> d_model)."""
 
   config: TransformerConfig
 
@@ -212,7 +239,7 @@ class FeedForward(nn.Module):
   def __call__(self, x):
     cfg = self.config
     hidden = Projection((cfg.d_ff,), 1, ('embed', 'mlp'), cfg.compute_dtype, name='wi')(x)
-    hidden = nn.relu(hidden)
+    hidden = _ACTIVATIONS[cfg.ffn_activation](hidden)
     return Projection((cfg.d_model,), 1, ('mlp', 'embed'), cfg.compute_dtype, name='wo')(hidden)
 
 
@@ -333,7 +360,8 @@ class Embedder(nn.Module):
       )
       x = x + jnp.take(table, positions, axis=0).astype(cfg.compute_dtype)
     else:
-      x = x + sinusoidal_positions(positions, cfg.d_model).astype(cfg.compute_dtype)
+      encoding = sinusoidal_positions(positions, cfg.d_model, cfg.sinusoid_layout)
+      x = x + encoding.astype(cfg.compute_dtype)
     return nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
 
 
@@ -392,6 +420,10 @@ class Transformer(nn.Module):
         cfg.compute_dtype,
         use_bias=False,
         name='output_projection',
+      )
+    if cfg.logits_bias:
+      self.logits_bias = self.param(
+        'logits_bias', _logical(_zeros, ('vocab',)), (cfg.vocab_size,), jnp.float32
       )
     self.source_embedder = Embedder(cfg, source_embedding, name='source_embedder')
     self.target_embedder = Embedder(cfg, target_embedding, name='target_embedder')
@@ -493,7 +525,8 @@ class Transformer(nn.Module):
       logits = self.output_embedding.attend(x)
     else:
       logits = self.output_projection(x)
-    return logits.astype(jnp.float32)
+    logits = logits.astype(jnp.float32)
+    return logits + self.logits_bias if self.config.logits_bias else logits
 
   def create_cache(self, encoded, *, max_decode_len: int, beam_size: int = 1):
     """Creates cached decoding's state (call with mutable=['cache']; layout: `decoding_cache`)
