@@ -118,6 +118,13 @@ def get_config() -> ml_collections.ConfigDict:
   # Multiplier on that schedule (1.0 in the paper). 0.3, gentler than 0.5, makes this short run
   # clear 98% test exact match on every seed tried (README.md, "The default task").
   config.learning_rate_scale = 0.3
+  # 'rsqrt': the paper's schedule above. 'constant': a linear warmup over warmup_steps to
+  # learning_rate, then that rate (then the cooldown): for fine-tuning a pretrained model, where
+  # the paper's from-scratch peak would undo what it learned (README, "Start from a pretrained
+  # model"; e.g. learning_rate=3e-5, warmup_steps=100).
+  config.learning_rate_schedule = 'rsqrt'
+  # The constant schedule's rate (unused by 'rsqrt').
+  config.learning_rate = 0.0
   # Fraction of num_train_steps at the end of the run over which the learning rate falls
   # linearly to 0 (0: none, as in the paper); it scales with num_train_steps, which a resumed
   # run may raise. This short run ends at ~0.6x the peak rate: without the cooldown its last

@@ -123,6 +123,7 @@ WORKDIR_NAMES = (
   'vocab.model',
   'checkpoints',
   'averaged',
+  'imported',
   'damaged_checkpoints',
   'tensorboard',
   'token_cache',

@@ -674,6 +674,19 @@ FIELD_CASES = [
     {'vocab_size': 3},
     r'config\.vocab_size=3 leaves no pieces besides the 4 reserved ones \(pad, eos, bos, unk\)',
   ),
+  # The fine-tuning schedule (issue 19): its rate must be given, and finite.
+  (
+    {'learning_rate_schedule': 'cosine'},
+    r"config\.learning_rate_schedule must be one of rsqrt, constant, got 'cosine'",
+  ),
+  (
+    {'learning_rate_schedule': 'constant'},
+    r'config\.learning_rate must be a positive number, got 0\.0',
+  ),
+  (
+    {'learning_rate_schedule': 'constant', 'learning_rate': float('inf')},
+    r'config\.learning_rate must be finite, got inf',
+  ),
   # Marian's switches (issue 19): a misspelt choice is named with the allowed ones.
   (
     {'model.ffn_activation': 'tanh'},

@@ -1,5 +1,6 @@
 """Tests for transformer_jax.optim: the paper's schedule and Adam settings (tiny; CPU)."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -54,6 +55,26 @@ def test_make_optimizer_applies_the_cooldown():
   _, paper = make_optimizer(d_model=128, warmup_steps=250)
   assert float(schedule(89)) == float(paper(89))
   np.testing.assert_allclose(float(schedule(95)), float(paper(95)) * 0.5, rtol=1e-6)
+
+
+def test_the_constant_schedule_warms_up_then_holds_its_rate():
+  """Fine-tuning's schedule: linear warmup over 100 updates to 3e-5, then 3e-5 until the
+  cooldown (last 20 of 200); the optimiser state has the paper schedule's structure, so a
+  fine-tuning run and a from-scratch one checkpoint the same tree."""
+  tx, schedule = make_optimizer(
+    d_model=512,
+    warmup_steps=100,
+    schedule='constant',
+    learning_rate=3e-5,
+    total_steps=200,
+    cooldown_steps=20,
+  )
+  got = [float(schedule(count)) for count in (0, 49, 99, 100, 179, 189, 199)]
+  expected = [3e-7, 1.5e-5, 3e-5, 3e-5, 3e-5, 3e-5 * 11 / 20, 3e-5 / 20]
+  np.testing.assert_allclose(got, expected, rtol=1e-6)
+  paper, _ = make_optimizer(d_model=512, warmup_steps=100)
+  params = {'w': jnp.ones(3)}
+  assert jax.tree.structure(tx.init(params)) == jax.tree.structure(paper.init(params))
 
 
 def _adam_reference(grads, lrs, b1=0.9, b2=0.98, eps=1e-9):

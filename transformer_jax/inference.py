@@ -266,7 +266,8 @@ class Translator:
 
     checkpoint: a step number, 'averaged' (written by `python -m transformer_jax.average`),
     'latest', or None: the averaged checkpoint if it was made from the latest training
-    checkpoint, else the latest training checkpoint.
+    checkpoint, else the latest training checkpoint, else (an imported model not fine-tuned
+    yet) the imported parameters.
     """
     check_decoding_options(batch_size=batch_size)
     workdir = Workdir(workdir)
@@ -442,6 +443,12 @@ def _restore(workdir: Workdir, checkpoint: int | str | None, abstract_params):
         latest,
       )
     step = None if checkpoint in (None, 'latest') else int(checkpoint)
+    if (
+      step is None and checkpointer.latest_step() is None and is_params_checkpoint(workdir.imported)
+    ):
+      # An imported model not fine-tuned yet (`imported_workdir`): its parameters are the latest.
+      logging.info('loading the imported model from %s', workdir.imported)
+      return restore_params_from(workdir.imported, abstract_params)
     return checkpointer.restore_params(abstract_params, step)
 
 

@@ -1,5 +1,10 @@
 """The paper's optimiser: Adam(0.9, 0.98, 1e-9) with the inverse-square-root warmup schedule,
-optionally ending in a linear cooldown to zero (`cooldown_steps`; the paper has none)."""
+optionally ending in a linear cooldown to zero (`cooldown_steps`; the paper has none).
+
+For fine-tuning a pretrained model (`import_marian`) the paper's schedule is wrong: it assumes
+training from scratch, and its peak (d_model^-0.5 / sqrt(warmup)) is far above what a trained
+model tolerates. `schedule='constant'` warms up linearly to a given `learning_rate` and holds it
+(then the cooldown, if any)."""
 
 from __future__ import annotations
 
@@ -19,6 +24,19 @@ def rsqrt_schedule(d_model: int, warmup_steps: int, scale: float = 1.0) -> optax
     return scale * d_model**-0.5 * jnp.minimum(step**-0.5, step * warmup_steps**-1.5)
 
   return schedule
+
+
+def constant_schedule(learning_rate: float, warmup_steps: int) -> optax.Schedule:
+  """lr(step) = learning_rate * min(1, step / warmup), step counted from 1 (as `rsqrt_schedule`)."""
+
+  def schedule(count):
+    step = jnp.asarray(count, jnp.float32) + 1.0
+    return learning_rate * jnp.minimum(1.0, step / warmup_steps)
+
+  return schedule
+
+
+SCHEDULES = ('rsqrt', 'constant')
 
 
 def with_cooldown(
@@ -53,8 +71,15 @@ def make_optimizer(
   b2: float = 0.98,
   eps: float = 1e-9,
   grad_clip_norm: float = 0.0,
+  schedule: str = 'rsqrt',
+  learning_rate: float = 0.0,
 ) -> tuple[optax.GradientTransformation, optax.Schedule]:
-  schedule = rsqrt_schedule(d_model, warmup_steps, learning_rate_scale)
+  """Adam with `schedule`: 'rsqrt' (the paper's; learning_rate_scale multiplies it) or
+  'constant' (`constant_schedule` to learning_rate), then the cooldown."""
+  if schedule == 'constant':
+    schedule = constant_schedule(learning_rate, warmup_steps)
+  else:
+    schedule = rsqrt_schedule(d_model, warmup_steps, learning_rate_scale)
   schedule = with_cooldown(schedule, total_steps, cooldown_steps)
   optimizer = optax.adam(schedule, b1=b1, b2=b2, eps=eps)
   if grad_clip_norm > 0:

@@ -17,7 +17,7 @@ import math
 import jax
 import ml_collections
 
-from transformer_jax import paths, sharding
+from transformer_jax import checkpointing, imported_workdir, optim, paths, sharding
 from transformer_jax.config import TransformerConfig
 from transformer_jax.data import number_words, text_dataset, tokenizer
 from transformer_jax.errors import (
@@ -75,6 +75,12 @@ def save_run_config(
   path = workdir.config_file
   resolved = {'config': json.loads(config.to_json()), 'model': model_config.to_dict()}
   saved = workdir.read_run_config_if_present()
+  if saved is not None and imported_workdir.is_imported(saved):
+    resolved[imported_workdir.IMPORTED_KEY] = saved[imported_workdir.IMPORTED_KEY]
+    if not workdir.checkpoints.exists() or not checkpointing.list_steps(workdir.checkpoints)[0]:
+      # Fine-tuning has not saved a step yet: its data and training fields are its own (the
+      # architecture and vocabulary were adopted from the import, `imported_workdir.adopt`).
+      saved = None
   if saved is not None:
     before = _resume_fields(saved.get('config', {}), saved.get('model', {}))
     after = _resume_fields(resolved['config'], resolved['model'])
@@ -224,6 +230,15 @@ def _validate_optimiser(config) -> None:
   check_number_at_least('config.grad_clip_norm', config.grad_clip_norm, 0)
   check_fraction('config.label_smoothing', config.label_smoothing)
   check_fraction('config.cooldown_fraction', config.cooldown_fraction)
+  if config.learning_rate_schedule not in optim.SCHEDULES:
+    raise UserInputError(
+      f'config.learning_rate_schedule must be one of {", ".join(optim.SCHEDULES)}, '
+      f'got {config.learning_rate_schedule!r}'
+    )
+  if config.learning_rate_schedule == 'constant':
+    check_number_at_least('config.learning_rate', config.learning_rate, 0, strict=True)
+    if not math.isfinite(config.learning_rate):
+      raise UserInputError(f'config.learning_rate must be finite, got {config.learning_rate!r}')
 
 
 def _validate_loop(config) -> None:

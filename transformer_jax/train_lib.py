@@ -23,7 +23,14 @@ import optax
 from absl import logging
 from flax.training import train_state
 
-from transformer_jax import host_memory, inference, metrics, sharding
+from transformer_jax import (
+  checkpointing,
+  host_memory,
+  imported_workdir,
+  inference,
+  metrics,
+  sharding,
+)
 from transformer_jax.checkpointing import Checkpointer
 from transformer_jax.config import TransformerConfig
 from transformer_jax.data import batching, input_pipeline
@@ -206,6 +213,8 @@ class Trainer:
       b2=config.adam_b2,
       eps=config.adam_eps,
       grad_clip_norm=config.grad_clip_norm,
+      schedule=config.learning_rate_schedule,
+      learning_rate=config.learning_rate,
     )
     self.batch_sharding = sharding.batch_sharding(self.mesh)
     abstract = jax.eval_shape(self._init_state, jax.random.PRNGKey(0))
@@ -365,6 +374,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   host_memory.reuse_freed_memory_if_configured(config)
   workdir = Workdir(workdir)
   workdir.check_not_a_file()
+  imported_workdir.adopt(config, workdir)  # A pretrained model's architecture and vocabulary.
   validate_run_config(config)
   workdir.check_writable()  # Before the lock, a file in it.
   if config.data_dir:  # One that exists may be read-only: a shared, prepared one is only read.
@@ -409,6 +419,7 @@ class _Run:
       damaged_directory=workdir.damaged_checkpoints,
     )
     self.writer = MetricWriter(workdir.tensorboard)
+    self.imported = str(workdir.imported)
 
   def restore_or_init(self) -> TrainState:
     """The latest intact checkpoint's state (and input position), else a fresh state."""
@@ -426,7 +437,15 @@ class _Run:
         f'aside (newest: {damaged[0]}); rerun to start from scratch, or repair them by hand'
       )
     if restored is None:
-      return self.trainer.init_state(self.config.seed)
+      state = self.trainer.init_state(self.config.seed)
+      if checkpointing.is_params_checkpoint(self.imported):
+        # Fine-tuning an imported model: its parameters, a fresh optimiser state.
+        params = checkpointing.restore_params_from(
+          self.imported, self.trainer.abstract_state.params
+        )
+        state = state.replace(params=params)
+        log(f'fine-tuning the imported model in {self.imported}')
+      return state
     state, data_state, _ = restored
     self.train_iterator.set_state(data_state['train_iterator'])
     log(f'resumed from {self.checkpointer.directory} at step {int(state.step)}')

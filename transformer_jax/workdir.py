@@ -4,6 +4,8 @@
     DIR/vocab.model             the shared SentencePiece vocabulary
     DIR/checkpoints/<step>/     orbax step checkpoints (state + input-pipeline position)
     DIR/averaged/               the averaged parameters (`python -m transformer_jax.average`)
+    DIR/imported/               an imported model's parameters (`import_marian`), used until
+                                the first training checkpoint and where fine-tuning starts
     DIR/damaged_checkpoints/    checkpoints that failed to read back, moved aside
     DIR/tensorboard/            TensorBoard event files
     DIR/token_cache/            token ids of each split, per dataset and vocabulary
@@ -34,6 +36,7 @@ _CONFIG_FILE = 'config.json'
 _VOCAB_FILE = 'vocab.model'
 _CHECKPOINTS = 'checkpoints'
 _AVERAGED = 'averaged'
+_IMPORTED = 'imported'
 _DAMAGED_CHECKPOINTS = 'damaged_checkpoints'
 _TENSORBOARD = 'tensorboard'
 _TOKEN_CACHE = 'token_cache'
@@ -74,6 +77,11 @@ class Workdir:
   @property
   def averaged(self) -> epath.Path:
     return self.path / _AVERAGED
+
+  @property
+  def imported(self) -> epath.Path:
+    """An imported model's parameters (a params-only checkpoint, as `averaged`)."""
+    return self.path / _IMPORTED
 
   @property
   def damaged_checkpoints(self) -> epath.Path:

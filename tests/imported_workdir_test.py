@@ -1,0 +1,143 @@
+"""A workdir made from a pretrained model (`imported_workdir`): it translates as the model it
+was written from, and train.py fine-tunes it (loss falls), checkpoints and resumes, keeping the
+imported architecture whatever the command line says."""
+
+import logging
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from transformer_jax import imported_workdir, train_lib
+from transformer_jax.config import TransformerConfig
+from transformer_jax.data import number_words
+from transformer_jax.data.tokenizer import Tokenizer
+from transformer_jax.errors import UserInputError
+from transformer_jax.inference import Translator
+from transformer_jax.models import Transformer
+from transformer_jax.workdir import Workdir
+
+from conftest import tiny_config
+
+SENTENCES = ['twenty-one', 'three hundred five', 'one thousand', 'ninety-nine']
+
+
+@pytest.fixture(scope='module')
+def pretrained(tmp_path_factory):
+  """A random Marian-variant model (biases drawn at random) and a 96-piece vocabulary."""
+  numbers = number_words.sample_numbers('train', 2000, seed=0)
+  sentences = [number_words.english_words(n) for n in numbers]
+  sentences += [number_words.german_words(n) for n in numbers]
+  tokenizer = Tokenizer.train(sentences, vocab_size=96)
+  path = tmp_path_factory.mktemp('vocab') / 'vocab.model'
+  tokenizer.save(path)
+  config = TransformerConfig(
+    vocab_size=tokenizer.vocab_size,
+    d_model=32,
+    d_ff=64,
+    num_heads=2,
+    num_encoder_layers=1,
+    num_decoder_layers=1,
+    max_len=32,
+    attention_bias=True,
+    logits_bias=True,
+    ffn_activation='swish',
+    sinusoid_layout='concatenated',
+  )
+  dummy = jnp.ones((1, 1), jnp.int32)
+  params = nn.meta.unbox(Transformer(config).init(jax.random.PRNGKey(3), dummy, dummy)['params'])
+  rng = np.random.default_rng(0)
+
+  def randomise_bias(path, leaf):
+    leaf = np.asarray(leaf, np.float32)
+    if 'bias' not in jax.tree_util.keystr(path):
+      return leaf
+    return leaf + 0.3 * rng.standard_normal(leaf.shape).astype(np.float32)
+
+  params = jax.tree_util.tree_map_with_path(randomise_bias, params)
+  return config, params, path.read_bytes()
+
+
+def _write(pretrained, workdir, **kwargs):
+  config, params, vocabulary = pretrained
+  imported_workdir.write(str(workdir), config, params, vocabulary, {'format': 'test'}, **kwargs)
+
+
+def test_an_imported_workdir_translates_as_the_model_it_was_written_from(pretrained, tmp_path):
+  config, params, vocabulary = pretrained
+  _write(pretrained, tmp_path / 'imported')
+  loaded = Translator.from_checkpoint(str(tmp_path / 'imported'), batch_size=4)
+  assert loaded.model_config == config
+  for got, want in zip(jax.tree.leaves(loaded.params), jax.tree.leaves(params)):
+    np.testing.assert_array_equal(np.asarray(got), want)
+  direct = Translator(config, params, Tokenizer(vocabulary), batch_size=4)
+  assert loaded.translate(SENTENCES) == direct.translate(SENTENCES)
+  saved = Workdir(tmp_path / 'imported').read_run_config()
+  assert saved['imported_from'] == {'format': 'test'} and saved['config']['dataset'] == 'text'
+
+
+def test_writing_refuses_what_it_would_damage(pretrained, tmp_path):
+  busy = tmp_path / 'busy'
+  busy.mkdir()
+  (busy / 'notes.txt').write_text('mine')
+  with pytest.raises(UserInputError, match='is not empty and holds no untrained imported model'):
+    _write(pretrained, busy, force=True)
+  assert (busy / 'notes.txt').read_text() == 'mine'
+  _write(pretrained, tmp_path / 'again')
+  with pytest.raises(UserInputError, match=r'holds an imported model already; --force replaces'):
+    _write(pretrained, tmp_path / 'again')
+  _write(pretrained, tmp_path / 'again', force=True)
+  config, params, vocabulary = pretrained
+  with pytest.raises(ValueError, match='missing'):
+    imported_workdir.write(
+      str(tmp_path / 'partial'),
+      config,
+      {'encoder_layers': params['encoder_layers']},
+      vocabulary,
+      {},
+    )
+
+
+def test_train_py_fine_tunes_the_imported_model_then_resumes(
+  pretrained, data_dir, tmp_path, caplog
+):
+  workdir = tmp_path / 'fine-tuned'
+  _write(pretrained, workdir)
+  config = tiny_config(data_dir)
+  config.model.d_model = 48  # Not the imported model's: replaced by its 32 (logged).
+  config.model.dropout_rate = 0.1  # A training field: the command line's.
+  config.learning_rate_schedule = 'constant'
+  config.learning_rate = 3e-3
+  config.warmup_steps = 5
+  config.num_train_steps = config.checkpoint_every_steps = 40
+  config.log_every_steps = 10
+  with caplog.at_level(logging.INFO):
+    train_lib.train_and_evaluate(config, str(workdir))
+  text = caplog.text
+  assert 'its architecture and vocabulary replace the config (model.d_model: 48 -> 32' in text
+  assert f'fine-tuning the imported model in {workdir / "imported"}' in text
+  losses = [float(x) for x in re.findall(r'step \d+/40 \| loss ([0-9.]+)', text)]
+  # Measured 3.95, 3.10, 2.67, 2.42 (mean loss of steps 1-10, ..., 31-40).
+  assert len(losses) == 4 and losses == sorted(losses, reverse=True), losses
+  assert losses[-1] < 0.7 * losses[0], losses
+  saved = Workdir(workdir).read_run_config()
+  assert saved['imported_from'] == {'format': 'test'}
+  assert (saved['model']['d_model'], saved['model']['dropout_rate']) == (32, 0.1)
+  assert saved['config']['dataset'] == 'number_words/tiny'
+  # Resuming follows the usual rules now: the same command goes on from step 40...
+  caplog.clear()
+  config.num_train_steps = 44
+  with caplog.at_level(logging.INFO):
+    train_lib.train_and_evaluate(config, str(workdir))
+  assert 'at step 40' in caplog.text and 'fine-tuning the imported model' not in caplog.text
+  # ... and another dataset is refused, as for any trained workdir.
+  config.dataset = 'number_words/default'
+  with pytest.raises(UserInputError, match=r'resuming with changed fields \(dataset'):
+    train_lib.train_and_evaluate(config, str(workdir))
+  # Translation now loads the fine-tuned parameters, no longer the imported ones.
+  tuned = Translator.from_checkpoint(str(workdir)).params['shared_embedding']['embedding']
+  imported = pretrained[1]['shared_embedding']['embedding']
+  assert np.abs(np.asarray(tuned) - imported).max() > 1e-3
