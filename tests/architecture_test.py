@@ -23,6 +23,7 @@ COMMANDS = {
   'transformer_jax.benchmark.__main__',
   'transformer_jax.export',
   'transformer_jax.serve',
+  'transformer_jax.import_marian',
 }
 # Modules allowed to define or parse flags besides the commands.
 FLAG_MODULES = {'transformer_jax.cli'}

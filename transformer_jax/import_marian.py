@@ -1,0 +1,44 @@
+"""Imports a Marian / OPUS-MT transformer as a workdir that translate, evaluate and train.py use:
+
+    python -m transformer_jax.import_marian --model=DIR_OR_NPZ [--vocab=X.yml --spm=source.spm]
+        --workdir=OUT [--max_len=512] [--force]
+
+--model: a Marian `.npz`, or an OPUS-MT folder (its decoder.yml's model and vocabulary, else its
+one `*.npz`, `*vocab.yml` and `source.spm`). --vocab: Marian's vocabulary, a `.yml` (with --spm,
+the SentencePiece model that segments the source) or a `.spm`. The imported model computes
+exactly what Marian computes; see marian.py for the mapping and what is refused.
+"""
+
+from absl import flags
+
+from transformer_jax import cli, imported_workdir, marian
+
+FLAGS = flags.FLAGS
+
+
+def _define_flags():
+  flags.DEFINE_string('model', None, 'Marian .npz model, or a folder holding one (OPUS-MT).')
+  flags.DEFINE_string('vocab', None, "Marian's vocabulary: X.yml (with --spm) or X.spm.")
+  flags.DEFINE_string('spm', None, 'SentencePiece model that segments the source (source.spm).')
+  flags.DEFINE_string('workdir', None, 'Folder to write (new, or an imported one with --force).')
+  flags.DEFINE_integer('max_len', 512, 'Longest source or target (in pieces) the model accepts.')
+  flags.DEFINE_bool('force', False, 'Replace a workdir that holds an untrained imported model.')
+  flags.mark_flags_as_required(['model', 'workdir'])
+
+
+def main(argv):
+  del argv
+  config, params, vocabulary, origin = marian.import_marian(
+    FLAGS.model, FLAGS.vocab, FLAGS.spm, max_len=FLAGS.max_len
+  )
+  imported_workdir.write(FLAGS.workdir, config, params, vocabulary, origin, force=FLAGS.force)
+  print(FLAGS.workdir)
+
+
+def run():
+  _define_flags()
+  cli.run(main)
+
+
+if __name__ == '__main__':
+  run()
