@@ -426,6 +426,32 @@ def test_an_empty_translation_stays_empty(tmp_path):
   assert all(r.hypotheses[0] for r in ct2.translate_batch(source, beam_size=1))
 
 
+def test_outputs_that_never_end_are_cut_where_ours_are(tmp_path):
+  """A model that never predicts EOS, with max_len 96: ours stops each output at its source
+  length (with EOS) + 50 tokens, EOS counted; so must `translate` on CTranslate2 (one call per
+  cap: CTranslate2 has one max_decoding_length per call). Before, CTranslate2 ran to max_len."""
+  config, _, params = _random_model(max_len=96, logits_bias=True)
+  params['logits_bias'][EOS_ID] = -1e3
+  tokenizer = _tokenizer()
+  ct2 = _save(export_ctranslate2.model_spec(config, params, tokenizer), tmp_path)
+  processor = sentencepiece.SentencePieceProcessor(model_proto=tokenizer.model_bytes)
+  sentences = ['seven', 'twenty-one', 'three hundred forty-two thousand five']
+  ours = Translator(config, params, tokenizer, batch_size=4)
+  for beam_size in (1, 4):
+    mine = ours.translate(sentences, beam_size=beam_size)
+    theirs = export_ctranslate2.translate(
+      ct2, processor, sentences, max_len=config.max_len, beam_size=beam_size
+    )
+    assert theirs == mine, beam_size
+  # One call capped at max_len, as before: every output runs to max_len - 1 pieces, longer than
+  # ours (source + EOS + 50 tokens, the EOS never written).
+  source = [processor.encode(sentence, out_type=str) for sentence in sentences]
+  uncut = ct2.translate_batch(source, **export_ctranslate2.translation_options(config.max_len, 1))
+  assert [len(r.hypotheses[0]) for r in uncut] == [config.max_len - 1] * 3
+  greedy = ours.translate(sentences, beam_size=1)
+  assert [processor.decode(r.hypotheses[0]) for r in uncut] != greedy
+
+
 # --- Refusals -----------------------------------------------------------------------------------
 
 

@@ -55,7 +55,7 @@ from transformer_jax import paths
 from transformer_jax.config import TransformerConfig
 from transformer_jax.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer
 from transformer_jax.errors import UserInputError
-from transformer_jax.inference import Translator
+from transformer_jax.inference import EXTRA_DECODE_LENGTH, Translator
 from transformer_jax.metric_writers import log
 from transformer_jax.models import sinusoidal_positions
 from transformer_jax.workdir import Workdir
@@ -353,16 +353,25 @@ def translate(
   rows = [i for i, sentence in enumerate(sentences) if sentence.strip()]
   if not rows:
     return outputs
-  source = [sentencepiece.encode(sentences[i], out_type=str) for i in rows]
-  results = translator.translate_batch(
-    source, max_batch_size=max_batch_size, **translation_options(max_len, beam_size)
-  )
-  for index, result in zip(rows, results):
-    if beam_size > 1:
-      best = gnmt_best(result.hypotheses, result.scores, alpha)
-    else:
-      best = result.hypotheses[0]
-    outputs[index] = sentencepiece.decode(best)
+  source = {i: sentencepiece.encode(sentences[i], out_type=str) for i in rows}
+  # Ours caps each output at its source length (with EOS, after the cut to max_len) + 50
+  # tokens and at max_len, EOS counted; CTranslate2 takes one cap per call: one call per cap.
+  by_cap: dict[int, list[int]] = {}
+  for i in rows:
+    length = min(len(source[i]) + 1, max_len)
+    by_cap.setdefault(min(length + EXTRA_DECODE_LENGTH, max_len), []).append(i)
+  for cap, indices in sorted(by_cap.items()):
+    options = translation_options(max_len, beam_size)
+    options['max_decoding_length'] = cap - 1  # CTranslate2's cap does not count the EOS.
+    results = translator.translate_batch(
+      [source[i] for i in indices], max_batch_size=max_batch_size, **options
+    )
+    for index, result in zip(indices, results):
+      if beam_size > 1:
+        best = gnmt_best(result.hypotheses, result.scores, alpha)
+      else:
+        best = result.hypotheses[0]
+      outputs[index] = sentencepiece.decode(best)
   return outputs
 
 

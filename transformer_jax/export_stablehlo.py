@@ -51,8 +51,8 @@ from transformer_jax.config import TransformerConfig
 from transformer_jax.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from transformer_jax.errors import UserInputError, is_integer
 from transformer_jax.inference import (
-  _EXTRA_DECODE_LENGTH,
   _MIN_BUCKET,
+  EXTRA_DECODE_LENGTH,
   Translator,
   beam_decode,
   check_decoding_options,
@@ -160,7 +160,7 @@ def symbolic_source_shape(max_len: int):
 def decode_length(source_length, max_len: int):
   """The Translator's decode length for a padded source length: min(s + 50, max_len), also when
   s is symbolic (then a symbolic expression, min(s + 50, max_len) or max_len where decided)."""
-  return jax.core.min_dim(source_length + _EXTRA_DECODE_LENGTH, max_len)
+  return jax.core.min_dim(source_length + EXTRA_DECODE_LENGTH, max_len)
 
 
 def search_function(model: Transformer, beam_size: int):
@@ -229,7 +229,7 @@ def manifest(
     'model': config.to_dict(),
     'special_ids': {'pad': PAD_ID, 'eos': EOS_ID, 'bos': BOS_ID, 'unk': UNK_ID},
     'max_len': config.max_len,
-    'extra_decode_length': _EXTRA_DECODE_LENGTH,
+    'extra_decode_length': EXTRA_DECODE_LENGTH,
     'min_source_bucket': _MIN_BUCKET,
     'defaults': {
       'beam_size': default_beam_size,

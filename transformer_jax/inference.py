@@ -190,7 +190,7 @@ def beam_decode(
 
 _MIN_BUCKET = 8
 # Extra target positions beyond the source length that decoding may use.
-_EXTRA_DECODE_LENGTH = 50
+EXTRA_DECODE_LENGTH = 50
 
 
 def _bucket(length: int, limit: int) -> int:
@@ -357,8 +357,8 @@ class Translator:
       max_lengths = np.ones((self.batch_size,), np.int32)
       for row, index in enumerate(rows):
         src[row, : len(encoded[index])] = encoded[index]
-        max_lengths[row] = len(encoded[index]) + _EXTRA_DECODE_LENGTH
-      max_decode_len = min(max_len, source_length + _EXTRA_DECODE_LENGTH)
+        max_lengths[row] = len(encoded[index]) + EXTRA_DECODE_LENGTH
+      max_decode_len = min(max_len, source_length + EXTRA_DECODE_LENGTH)
       max_lengths = np.minimum(max_lengths, max_decode_len)
       if beam_size == 1:
         tokens = self._greedy(self.params, src, max_decode_len)

@@ -108,6 +108,11 @@ class Tokenizer:
     return hashlib.sha256(self._processor.serialized_model_proto()).hexdigest()
 
   @property
+  def model_bytes(self) -> bytes:
+    """The serialized SentencePiece model (what `save` writes)."""
+    return self._processor.serialized_model_proto()
+
+  @property
   def vocab_size(self) -> int:
     return self._processor.get_piece_size()
 
