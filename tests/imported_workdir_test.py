@@ -5,13 +5,15 @@ imported architecture whatever the command line says."""
 import logging
 import re
 
+import ctranslate2
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import sentencepiece
 
-from transformer_jax import imported_workdir, train_lib
+from transformer_jax import averaging, export_ctranslate2, imported_workdir, metrics, train_lib
 from transformer_jax.config import TransformerConfig
 from transformer_jax.data import number_words
 from transformer_jax.data.tokenizer import Tokenizer
@@ -75,6 +77,20 @@ def test_an_imported_workdir_translates_as_the_model_it_was_written_from(pretrai
     np.testing.assert_array_equal(np.asarray(got), want)
   direct = Translator(config, params, Tokenizer(vocabulary), batch_size=4)
   assert loaded.translate(SENTENCES) == direct.translate(SENTENCES)
+  # Exported as any workdir: CTranslate2 translates it as ours (greedy).
+  out = export_ctranslate2.export(str(tmp_path / 'imported'), str(tmp_path / 'ct2'))
+  ct2 = ctranslate2.Translator(out, intra_threads=1)
+  processor = sentencepiece.SentencePieceProcessor(model_proto=vocabulary)
+  greedy = export_ctranslate2.translate(ct2, processor, SENTENCES, max_len=32, beam_size=1)
+  assert greedy == loaded.translate(SENTENCES, beam_size=1)
+  # `evaluate` scores it: BLEU is reported (config.json's dataset is 'text'; these one-word
+  # outputs have no 4-grams, so it is 0), its hypotheses are ours.
+  (tmp_path / 'src.txt').write_text('\n'.join(SENTENCES) + '\n')
+  (tmp_path / 'ref.txt').write_text('\n'.join(loaded.translate(SENTENCES)) + '\n')
+  scores = metrics.evaluate_files(
+    str(tmp_path / 'imported'), str(tmp_path / 'src.txt'), str(tmp_path / 'ref.txt')
+  )
+  assert (scores['exact_match'], scores['chrf']) == (1.0, 100.0) and 'bleu' in scores, scores
   saved = Workdir(tmp_path / 'imported').read_run_config()
   assert saved['imported_from'] == {'format': 'test'} and saved['config']['dataset'] == 'text'
 
@@ -137,6 +153,8 @@ def test_train_py_fine_tunes_the_imported_model_then_resumes(
   config.dataset = 'number_words/default'
   with pytest.raises(UserInputError, match=r'resuming with changed fields \(dataset'):
     train_lib.train_and_evaluate(config, str(workdir))
+  # `average` (nothing to average in a fresh import) works once fine-tuning has checkpoints.
+  assert averaging.average_checkpoints(str(workdir), last=2)['averaged_steps'] == [40, 44]
   # Translation now loads the fine-tuned parameters, no longer the imported ones.
   tuned = Translator.from_checkpoint(str(workdir)).params['shared_embedding']['embedding']
   imported = pretrained[1]['shared_embedding']['embedding']
