@@ -31,6 +31,7 @@ from transformer_jax import export_ctranslate2, imported_workdir, inference, mar
 from transformer_jax.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer
 from transformer_jax.errors import UserInputError
 from transformer_jax.models import Transformer
+from transformer_jax.paths import file_sha256
 
 from conftest import REPO_ROOT
 
@@ -351,7 +352,7 @@ def test_the_command_writes_a_workdir_that_translates_as_ctranslate2(spm_model, 
   assert result.returncode == 0, result.stderr[-3000:]
   with open(os.path.join(workdir, 'config.json')) as f:
     saved = json.load(f)
-  assert saved[imported_workdir.IMPORTED_KEY]['model_sha256'] == marian.file_sha256(npz)
+  assert saved[imported_workdir.IMPORTED_KEY]['model_sha256'] == file_sha256(npz)
   assert saved[imported_workdir.IMPORTED_KEY]['marian_version'] == marian_npz.MARIAN_VERSION
   assert saved['model']['sinusoid_layout'] == 'concatenated'
   again = subprocess.run(

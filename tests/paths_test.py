@@ -1,6 +1,8 @@
 """paths: local paths made absolute, gs:// kept remote, any other scheme refused by name."""
 
+import hashlib
 import os
+import pathlib
 
 import pytest
 
@@ -62,3 +64,21 @@ def test_default_hypotheses_files_are_named_by_every_decoding_option(tmp_path):
   workdir = Workdir(str(tmp_path))
   names = {workdir.hypotheses_file('data/test.en', None, 4, alpha).name for alpha in (0.6, 1.5)}
   assert names == {'test.en.default.beam4.alpha0.6.txt', 'test.en.default.beam4.alpha1.5.txt'}
+
+
+def test_a_staged_folder_replaces_the_directory_whole_or_not_at_all(tmp_path):
+  target = tmp_path / 'model'
+  target.mkdir()
+  (target / 'old.txt').write_text('old')
+  with pytest.raises(KeyboardInterrupt):
+    with paths.staged_folder(str(target)) as staging:
+      (tmp_path / 'never').write_text(staging)
+      (pathlib.Path(staging) / 'new.txt').write_text('half')
+      raise KeyboardInterrupt
+  assert sorted(p.name for p in tmp_path.iterdir()) == ['model', 'never']
+  assert [p.name for p in target.iterdir()] == ['old.txt']
+  with paths.staged_folder(str(target)) as staging:
+    (pathlib.Path(staging) / 'new.txt').write_text('new')
+  assert sorted(p.name for p in tmp_path.iterdir()) == ['model', 'never']
+  assert [p.name for p in target.iterdir()] == ['new.txt']
+  assert paths.file_sha256(target / 'new.txt') == hashlib.sha256(b'new').hexdigest()

@@ -45,8 +45,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import shutil
-import tempfile
 from typing import Any, Sequence
 
 import numpy as np
@@ -437,11 +435,7 @@ def export(
   spec = model_spec(config, restored.params, restored.tokenizer)
   spec.optimize(quantization=quantization)
 
-  parent = os.path.dirname(out_dir)
-  os.makedirs(parent, exist_ok=True)
-  staging = tempfile.mkdtemp(prefix=f'.{os.path.basename(out_dir)}.', dir=parent)
-  try:
-    os.chmod(staging, 0o755)  # mkdtemp's 0o700 would keep the model from other users.
+  with paths.staged_folder(out_dir) as staging:
     spec.save(staging)
     with open(os.path.join(staging, SENTENCEPIECE_FILE), 'wb') as f:
       f.write(Workdir(workdir).vocab_file.read_bytes())
@@ -460,11 +454,5 @@ def export(
           max_decode=config.max_len - 1,
         )
       )
-    if os.path.exists(out_dir):
-      shutil.rmtree(out_dir)
-    os.rename(staging, out_dir)
-  except BaseException:
-    shutil.rmtree(staging, ignore_errors=True)
-    raise
   log(f'CTranslate2 model ({quantization}) written to {out_dir}')
   return out_dir

@@ -37,8 +37,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from typing import Any, Sequence
 
 import jax
@@ -354,10 +352,7 @@ def export(
   }
   default_beam_size = 4 if 4 in beam_sizes else max(beam_sizes)
 
-  parent = os.path.dirname(out_dir)
-  os.makedirs(parent, exist_ok=True)
-  staging = tempfile.mkdtemp(prefix=f'.{os.path.basename(out_dir)}.', dir=parent)
-  try:
+  with paths.staged_folder(out_dir) as staging:
     for beam_size, exported in searches.items():
       with open(os.path.join(staging, search_file(beam_size)), 'wb') as f:
         f.write(exported.serialize())
@@ -380,14 +375,5 @@ def export(
       f.write(_runner_source())
     with open(os.path.join(staging, README_FILE), 'w', encoding='utf-8') as f:
       f.write(_readme(out_dir, workdir, checkpoint, platforms, beam_sizes, example))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(staging, 0o777 & ~umask)  # mkdtemp's 0700 would keep the export from its users.
-    if os.path.exists(out_dir):
-      shutil.rmtree(out_dir)
-    os.rename(staging, out_dir)
-  except BaseException:
-    shutil.rmtree(staging, ignore_errors=True)
-    raise
   log(f'StableHLO searches (beam sizes {", ".join(map(str, beam_sizes))}) written to {out_dir}')
   return out_dir

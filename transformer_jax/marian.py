@@ -24,7 +24,6 @@ src/common/config_parser.cpp.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import pathlib
@@ -37,6 +36,7 @@ import numpy as np
 from transformer_jax.config import TransformerConfig
 from transformer_jax.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from transformer_jax.errors import UserInputError
+from transformer_jax.paths import file_sha256
 
 # Logit bias of the ids Marian has no use for (PAD, BOS, copies of <unk>): exp(-30) is
 # negligible in the softmax, so they are never chosen, and unlike -1e9 a label-smoothed
@@ -162,14 +162,6 @@ def _parse_meta(meta: np.ndarray, path: str) -> dict[str, Any]:
 
 def _first_line(error: BaseException) -> str:
   return ' '.join(str(error).split())
-
-
-def file_sha256(path: str) -> str:
-  digest = hashlib.sha256()
-  with open(path, 'rb') as f:
-    for block in iter(lambda: f.read(1 << 20), b''):
-      digest.update(block)
-  return digest.hexdigest()
 
 
 # --- Options -----------------------------------------------------------------------------------

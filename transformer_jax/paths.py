@@ -17,13 +17,16 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import importlib.util
 import os
 import re
 import shutil
 import stat
 import sys
+import tempfile
 import uuid
+from typing import Iterator
 
 from etils import epath
 
@@ -92,6 +95,44 @@ def write_atomically(path: epath.Path, data: bytes | str) -> None:
     with contextlib.suppress(OSError):
       os.unlink(tmp)
     raise
+
+
+@contextlib.contextmanager
+def staged_folder(directory: str) -> Iterator[str]:
+  """A hidden sibling folder to fill, which then replaces the local `directory` whole.
+
+  On leaving the block without error the staging folder (made readable as the umask allows:
+  mkdtemp's 0700 would keep its files from other users) takes `directory`'s place; an existing
+  `directory` is renamed aside first and removed after, so `directory` is never half-written.
+  On an error or Ctrl-C the staging folder is removed and `directory` is left as it was.
+  """
+  parent, name = os.path.split(directory)
+  os.makedirs(parent, exist_ok=True)
+  staging = tempfile.mkdtemp(prefix=f'.{name}.', dir=parent)
+  try:
+    yield staging
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(staging, 0o777 & ~umask)
+    if os.path.exists(directory):
+      retired = f'{staging}.old'
+      os.rename(directory, retired)
+      os.rename(staging, directory)
+      shutil.rmtree(retired, ignore_errors=True)
+    else:
+      os.rename(staging, directory)
+  except BaseException:
+    shutil.rmtree(staging, ignore_errors=True)
+    raise
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+  """SHA-256 (hex) of a file's bytes, read 1 MiB at a time."""
+  digest = hashlib.sha256()
+  with epath.Path(path).open('rb') as f:
+    for block in iter(lambda: f.read(1 << 20), b''):
+      digest.update(block)
+  return digest.hexdigest()
 
 
 _STANDARD_STREAMS = {'/dev/stdin': 0, '/dev/stdout': 1, '/dev/stderr': 2}

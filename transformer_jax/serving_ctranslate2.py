@@ -23,8 +23,6 @@ import hashlib
 import importlib.util
 import json
 import os
-import shutil
-import tempfile
 import time
 from typing import Sequence
 
@@ -131,7 +129,7 @@ def prepare(
   spec.optimize(quantization=quantization)
   record = {
     'digest': digest,
-    'workdir': os.path.abspath(workdir),
+    'workdir': str(Workdir(workdir).path),  # gs:// kept as it is
     'checkpoint': checkpoint or 'default (averaged if current, else latest)',
     'quantization': quantization,
     'ctranslate2': ctranslate2.__version__,
@@ -144,27 +142,13 @@ def prepare(
 
 def _write(spec, vocabulary: bytes, record: dict, directory: str) -> None:
   """The spec, the SentencePiece model and the record (last) into a hidden sibling folder, which
-  then replaces `directory`."""
-  parent, name = os.path.split(directory)
-  os.makedirs(parent, exist_ok=True)
-  staging = tempfile.mkdtemp(prefix=f'.{name}.', dir=parent)
-  try:
-    os.chmod(staging, 0o755)  # mkdtemp's 0o700 would keep the model from other users.
+  then replaces `directory` (`paths.staged_folder`)."""
+  with paths.staged_folder(directory) as staging:
     spec.save(staging)
     with open(os.path.join(staging, export_ctranslate2.SENTENCEPIECE_FILE), 'wb') as f:
       f.write(vocabulary)
     with open(os.path.join(staging, SOURCE_FILE), 'w', encoding='utf-8') as f:
       json.dump(record, f, indent=2, sort_keys=True)
-    if os.path.exists(directory):
-      retired = f'{staging}.old'
-      os.rename(directory, retired)
-      os.rename(staging, directory)
-      shutil.rmtree(retired, ignore_errors=True)
-    else:
-      os.rename(staging, directory)
-  except BaseException:
-    shutil.rmtree(staging, ignore_errors=True)
-    raise
 
 
 class CTranslate2Engine(Engine):

@@ -66,6 +66,7 @@ from etils import epath
 from tensorflow_datasets.core import shuffle as tfds_shuffle
 
 from transformer_jax.errors import UserInputError, is_integer
+from transformer_jax.paths import file_sha256
 
 DATASET_NAME = 'parallel_text'
 # Part of the fingerprint: bump it when the way files become examples changes,
@@ -225,14 +226,6 @@ def _read_lines(path: str, data: bytes) -> list[str]:
   if lines[-1] == '':
     lines.pop()  # The final newline ends the last line rather than starting one.
   return lines
-
-
-def _sha256_of_file(path: str) -> str:
-  digest = hashlib.sha256()
-  with open(path, 'rb') as f:
-    for chunk in iter(lambda: f.read(1 << 20), b''):
-      digest.update(chunk)
-  return digest.hexdigest()
 
 
 def _fingerprint(
@@ -399,9 +392,7 @@ def prepare_text_dataset(
   paths = _normalise_splits(src_path_by_split, tgt_path_by_split)
 
   # Reuse: hashing the files is all it takes to find an existing dataset.
-  digests = {
-    split: (_sha256_of_file(src), _sha256_of_file(tgt)) for split, (src, tgt) in paths.items()
-  }
+  digests = {split: (file_sha256(src), file_sha256(tgt)) for split, (src, tgt) in paths.items()}
   config_name = f'{src_lang}_{tgt_lang}_{_fingerprint(digests, src_lang, tgt_lang, max_chars)}'
   name = f'{DATASET_NAME}/{config_name}'
   path = dataset_path(name, data_dir)
