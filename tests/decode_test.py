@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer_jax import decode
+from transformer_jax import beam_candidates, decode
 from transformer_jax.decode import (
   beam_search,
   beam_search_uncached,
@@ -541,7 +541,7 @@ def test_top_k_by_blocks_is_top_k(n, ties):
   if ties:
     x = np.round(x * 2) / 2  # Many equal values: the lower index comes first, as top_k's.
   for count in (1, 8):
-    values, index, block_max = decode._top_k_by_blocks(jnp.asarray(x), min(count, n))
+    values, index, block_max = beam_candidates.top_k_by_blocks(jnp.asarray(x), min(count, n))
     expected_values, expected_index = jax.lax.top_k(x, min(count, n))
     np.testing.assert_array_equal(values, expected_values)
     np.testing.assert_array_equal(index, expected_index)
@@ -559,7 +559,7 @@ def test_best_extensions_equal_a_top_k_over_every_extension(vocab):
   alive = rng.normal(size=(b, k)).astype(np.float32)
   alive[1, 2:] = -np.inf  # dead beams
   only_eos = np.array([False, False, True])
-  scores, parent, token = decode._best_extensions(
+  scores, parent, token = beam_candidates.best_extensions(
     jnp.asarray(logits), jnp.asarray(alive), jnp.asarray(only_eos), count, eos_id=EOS, pad_id=PAD
   )
   logp = jax.nn.log_softmax(jnp.asarray(logits).at[..., PAD].set(-jnp.inf))
@@ -571,3 +571,114 @@ def test_best_extensions_equal_a_top_k_over_every_extension(vocab):
   np.testing.assert_array_equal(np.asarray(parent)[finite], (index // vocab)[finite])
   np.testing.assert_array_equal(np.asarray(token)[finite], (index % vocab)[finite])
   assert (np.asarray(token)[2][np.isfinite(scores[2])] == EOS).all()
+
+
+# --- Beam search, rule 'ctranslate2' -------------------------------------------
+
+
+def _table_logits_fn(probabilities):
+  """Next-token logits from the last input token only: probabilities {prev: {token: p}};
+  unlisted tokens get logit -1e9, prev tokens not listed (PAD, EOS) end at once."""
+  table = np.full((TRAP_VOCAB, TRAP_VOCAB), -1e9, np.float32)
+  table[:, EOS] = 0.0
+  for prev, row in probabilities.items():
+    table[prev, EOS] = -1e9
+    for token, p in row.items():
+      table[prev, token] = np.log(p)
+  return lambda inputs: jnp.asarray(table)[inputs]
+
+
+def _search_both_rules(logits_fn, beam_size, max_decode_len, alpha=0.0):
+  kwargs = dict(batch_size=1, max_decode_len=max_decode_len, bos_id=BOS, eos_id=EOS, pad_id=PAD)
+  return {
+    rule: beam_search_uncached(logits_fn, beam_size=beam_size, alpha=alpha, rule=rule, **kwargs)
+    for rule in decode.BEAM_RULES
+  }
+
+
+def test_ctranslate2_rule_ends_hypotheses_only_among_the_k_best_candidates():
+  # Beam 2. Step 0: A .5, B .3, EOS .2: EOS is the 3rd of 4 candidates, so only the exact
+  # rule ends the empty hypothesis. Step 1: A 5 .35, B 6 .18, A EOS .15, B EOS .12: no EOS among
+  # the 2 best. Step 2: both beams end (p 1). alpha 0: scores are log-probs.
+  logits_fn = _table_logits_fn(
+    {
+      BOS: {TRAP_A: 0.5, TRAP_B: 0.3, EOS: 0.2},
+      TRAP_A: {EOS: 0.3, 5: 0.7},
+      TRAP_B: {EOS: 0.4, 6: 0.6},
+    }
+  )
+  results = _search_both_rules(logits_fn, beam_size=2, max_decode_len=4)
+  tokens, scores = results['exact']
+  np.testing.assert_array_equal(tokens[0], [[TRAP_A, 5, EOS, PAD], [EOS, PAD, PAD, PAD]])
+  np.testing.assert_allclose(scores[0], np.log([0.35, 0.2]), rtol=1e-6)
+  tokens, scores = results['ctranslate2']
+  np.testing.assert_array_equal(tokens[0], [[TRAP_A, 5, EOS, PAD], [TRAP_B, 6, EOS, PAD]])
+  np.testing.assert_allclose(scores[0], np.log([0.35, 0.18]), rtol=1e-6)
+
+
+def test_ctranslate2_rule_stops_once_the_best_candidate_ended_and_k_hypotheses_did():
+  # Beam 2. Step 0: EOS .55 (the best candidate: it ends), A .45. Step 1: A 5 .405, A EOS .045:
+  # the 2nd hypothesis ends, so rule 'ctranslate2' stops after 2 steps; the exact rule goes on,
+  # since A 5 (.405) can still beat A EOS, and finds A 5 EOS at step 2.
+  logits_fn = _table_logits_fn({BOS: {EOS: 0.55, TRAP_A: 0.45}, TRAP_A: {EOS: 0.1, 5: 0.9}})
+  calls = {rule: [] for rule in decode.BEAM_RULES}
+  kwargs = dict(batch_size=1, max_decode_len=6, bos_id=BOS, eos_id=EOS, pad_id=PAD, beam_size=2)
+  results = {}
+  for rule in decode.BEAM_RULES:
+
+    def counted(inputs, rule=rule):
+      jax.debug.callback(lambda: calls[rule].append(1))
+      return logits_fn(inputs)
+
+    results[rule] = beam_search_uncached(counted, alpha=0.0, rule=rule, **kwargs)
+  np.testing.assert_array_equal(results['exact'][0][0, 1, :3], [TRAP_A, 5, EOS])
+  np.testing.assert_allclose(results['exact'][1][0], np.log([0.55, 0.405]), rtol=1e-6)
+  np.testing.assert_array_equal(results['ctranslate2'][0][0, 1, :2], [TRAP_A, EOS])
+  np.testing.assert_allclose(results['ctranslate2'][1][0], np.log([0.55, 0.045]), rtol=1e-6)
+  assert (len(calls['exact']), len(calls['ctranslate2'])) == (3, 2)
+
+
+def test_ctranslate2_rule_ends_the_k_best_candidates_at_the_length_cap():
+  # EOS never likely: at the last step the 3 best candidates end without EOS, as CTranslate2's.
+  model = ToyModel(eos_pos=[99, 99], max_len=5, seed=4, beam_size=3)
+  tokens, scores = beam_search(
+    model.step_fn, model.init_cache(), rule='ctranslate2', **_beam_kwargs(model, 3, alpha=0.0)
+  )
+  _check_layout(tokens, scores, 2, 3, 5)
+  assert (np.asarray(tokens) != EOS).all() and (np.asarray(tokens) != PAD).all()
+  reference = _sequence_scores(lambda x: model.logits_fn(x, xp=np), tokens, 0.0)
+  np.testing.assert_allclose(scores, reference, rtol=0, atol=1e-5)
+
+
+def test_ctranslate2_rule_cached_equals_uncached_and_never_beats_the_exact_rule():
+  kwargs = dict(batch_size=3, beam_size=3, max_decode_len=8, bos_id=BOS, eos_id=EOS, pad_id=PAD)
+  compared = 0
+  for seed in range(6):
+    toy = HistoryToy(batch=3, max_len=8, beam_size=3, seed=seed)
+    cached = beam_search(toy.step_fn, toy.init_cache(), rule='ctranslate2', **kwargs)
+    uncached = beam_search_uncached(toy.logits_fn, rule='ctranslate2', **kwargs)
+    np.testing.assert_array_equal(cached[0], uncached[0])
+    np.testing.assert_allclose(cached[1], uncached[1], rtol=0, atol=1e-5)
+    reference = _sequence_scores(lambda x, toy=toy: toy.logits_fn(x, xp=np), cached[0], 0.6)
+    np.testing.assert_allclose(cached[1], reference, rtol=0, atol=1e-5)
+    # Both keep the same alive beams and the exact rule ends a superset of hypotheses, so its
+    # best is at least as good wherever the ctranslate2 rule's best ended with EOS (at the
+    # length cap it also ends hypotheses without EOS, which the exact rule does not).
+    _, exact_scores = beam_search(toy.step_fn, toy.init_cache(), **kwargs)
+    ended = (np.asarray(cached[0])[:, 0] == EOS).any(axis=1)
+    assert (np.asarray(exact_scores)[ended, 0] >= np.asarray(cached[1])[ended, 0] - 1e-6).all()
+    compared += int(ended.sum())
+  assert compared >= 6
+
+
+def test_unknown_beam_rule_is_refused():
+  with pytest.raises(ValueError, match='rule must be one of'):
+    beam_search_uncached(
+      _trap_logits_fn,
+      batch_size=1,
+      beam_size=2,
+      max_decode_len=4,
+      bos_id=BOS,
+      eos_id=EOS,
+      rule='marian',
+    )

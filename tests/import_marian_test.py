@@ -185,17 +185,24 @@ def test_scores_equal_marian_exact_ctranslate2s_and_not_stock_ctranslate2s(case)
 
 
 def _searches(case):
-  """(sources, our greedy, CTranslate2's greedy, our beam-4, CTranslate2's beam-4), as tokens."""
+  """Both sides' searches on the same random sources, as Marian's pieces: a namespace of
+  sources, greedy / theirs_greedy (one output each), beam / theirs_beam (our rule
+  'ctranslate2' without length penalty and CTranslate2 with length_penalty=0: 4 hypotheses
+  and their log-probs each), exact (our default rule, GNMT 0.6: the best hypothesis) and
+  theirs_gnmt (CTranslate2's 4 ranked by the same penalty)."""
   if not hasattr(case, 'searches'):
     sources = _random_ids(case.rng, SENTENCES, 1, 15)
     src = _padded([[*case.ids[s], EOS_ID] for s in sources], 16)
     model = case.model
     greedy = jax.jit(lambda p, s: inference.greedy_decode(model, p, s, max_decode_len=MAX_DECODE))
-    beam = jax.jit(
-      lambda p, s: inference.beam_decode(
-        model, p, s, beam_size=4, alpha=0.6, max_decode_len=MAX_DECODE
-      )[0][:, 0]
-    )
+
+    def beam(rule, alpha):
+      return jax.jit(
+        lambda p, s: inference.beam_decode(
+          model, p, s, beam_size=4, alpha=alpha, max_decode_len=MAX_DECODE, rule=rule
+        )
+      )(case.params, src)
+
     source_tokens = [[case.tokens[i] for i in s] for s in sources]
     options = dict(max_decoding_length=MAX_DECODE, min_decoding_length=0)
     theirs_greedy = case.exact.translate_batch(source_tokens, beam_size=1, **options)
@@ -207,57 +214,86 @@ def _searches(case):
       return_scores=True,
       **options,
     )
-    case.searches = (
-      source_tokens,
-      [_tokens(row, case.pieces) for row in np.asarray(greedy(case.params, src))],
-      [r.hypotheses[0] for r in theirs_greedy],
-      [_tokens(row, case.pieces) for row in np.asarray(beam(case.params, src))],
-      [export_ctranslate2.gnmt_best(r.hypotheses, r.scores, 0.6) for r in theirs_beam],
+    beam_ids, beam_scores = (np.asarray(x) for x in beam('ctranslate2', 0.0))
+    exact_ids = np.asarray(beam('exact', 0.6)[0][:, 0])
+    case.searches = types.SimpleNamespace(
+      sources=source_tokens,
+      greedy=[_tokens(row, case.pieces) for row in np.asarray(greedy(case.params, src))],
+      theirs_greedy=[r.hypotheses[0] for r in theirs_greedy],
+      beam=[[_tokens(row, case.pieces) for row in rows] for rows in beam_ids],
+      beam_scores=beam_scores,
+      theirs_beam=[r.hypotheses for r in theirs_beam],
+      theirs_beam_scores=np.array([r.scores for r in theirs_beam]),
+      exact=[_tokens(row, case.pieces) for row in exact_ids],
+      theirs_gnmt=[export_ctranslate2.gnmt_best(r.hypotheses, r.scores, 0.6) for r in theirs_beam],
     )
   return case.searches
 
 
 def _report(case, what, sources, mine, theirs):
-  """Prints the agreement and every difference; returns the rows that differ."""
+  """Prints the agreement and every difference; returns the rows that differ. An output is a
+  list of pieces, or a list of hypotheses (best first) that are."""
   differing = [r for r in range(len(sources)) if mine[r] != theirs[r]]
   for r in differing:
     print(f'  {what} differs on {sources[r]}: ours {mine[r]}, CTranslate2 {theirs[r]}')
-  ended = sum(len(m) < MAX_DECODE for m in mine)
+  best = [m[0] if m and isinstance(m[0], list) else m for m in mine]
+  ended = sum(len(m) < MAX_DECODE for m in best)
   print(
     f'{case.name}: {what}: {len(sources) - len(differing)}/{len(sources)} equal '
-    f'({100 * (1 - len(differing) / len(sources)):.1f}%); {ended} ended before the length cap, '
-    f'{len(set(map(tuple, mine)))} distinct outputs'
+    f'({100 * (1 - len(differing) / len(sources)):.1f}%); {ended} best ended before the length '
+    f'cap, {len(set(map(tuple, best)))} distinct best outputs'
   )
   return differing
 
 
 def test_greedy_outputs_equal_ctranslate2s(case):
-  sources, greedy, theirs, _, _ = _searches(case)
-  assert not _report(case, 'greedy', sources, greedy, theirs)
-  assert len(set(map(tuple, greedy))) >= 10  # Not one output for every source.
+  run = _searches(case)
+  assert not _report(case, 'greedy', run.sources, run.greedy, run.theirs_greedy)
+  assert len(set(map(tuple, run.greedy))) >= 10  # Not one output for every source.
 
 
-def test_beam_outputs_equal_ctranslate2s_where_the_searches_agree(case):
-  """Beam 4, ranked by our GNMT length penalty on both sides (`gnmt_best`). The two beam
-  searches differ (CTranslate2 ends a hypothesis only at EOS among the k best candidates of a
-  step, ours among the 2k best; it stops once the best beam ended, ours once no beam can beat
-  the k finished), so on random models some outputs differ: there both models give both
-  outputs the same scores, to 1e-4, and the difference is the searches' choice."""
-  sources, _, _, beam, theirs = _searches(case)
-  differing = _report(case, 'beam 4', sources, beam, theirs)
-  assert len(differing) <= 0.4 * len(sources)
+def test_beam_outputs_equal_ctranslate2s(case):
+  """Beam 4 with decode's rule 'ctranslate2' (CTranslate2's ending and stopping) and no
+  length penalty on either side: each sentence's 4 hypotheses, in order, and their log-probs."""
+  run = _searches(case)
+  differing = _report(case, 'beam 4 (4 hypotheses)', run.sources, run.beam, run.theirs_beam)
+  assert not differing
+  # Sums of up to 20 log-probs, each within 2.5e-5 (test_scores_equal_...).
+  lengths = np.array([[len(h) + 1 for h in hypotheses] for hypotheses in run.beam])
+  difference = np.abs(run.beam_scores - run.theirs_beam_scores)
+  print(f'{case.name}: beam 4 log-probs: max |difference| {float(np.max(difference)):.2e}')
+  assert np.all(difference <= 2.5e-5 * lengths)
+  assert len({tuple(h[0]) for h in run.beam}) >= 10
+  # Some hypotheses end only at the length cap, where both sides end the 4 best candidates.
+  assert any(len(h) == MAX_DECODE for hypotheses in run.beam for h in hypotheses)
+
+
+def test_our_default_beam_search_finds_at_least_as_good_outputs(case):
+  """Our default rule (hypotheses end among a step's 2k best candidates; stops once no beam can
+  beat the k finished) with GNMT 0.6, against CTranslate2's hypotheses ranked by the same
+  penalty: both searches keep the same alive beams, and ours ends a superset of hypotheses, so
+  where the outputs differ ours scores at least as well (scored by both models alike), unless
+  CTranslate2's is cut at the length cap without EOS: ours always end with EOS."""
+  run = _searches(case)
+  differing = _report(case, 'beam 4, GNMT 0.6', run.sources, run.exact, run.theirs_gnmt)
+  assert len(differing) <= 0.4 * len(run.sources)
+  differing = [r for r in differing if len(run.theirs_gnmt[r]) < MAX_DECODE]
+  if not differing:
+    return
   inverse = {piece: i for i, piece in enumerate(case.tokens)}
-  source_ids = [[inverse[p] for p in sources[r]] for r in differing] * 2
-  outputs = [beam[r] for r in differing] + [theirs[r] for r in differing]
+  source_ids = [[inverse[p] for p in run.sources[r]] for r in differing] * 2
+  outputs = [run.exact[r] for r in differing] + [run.theirs_gnmt[r] for r in differing]
   mine, _ = _log_probs(case, source_ids, [[inverse[p] for p in o] for o in outputs])
-  scores = case.exact.score_batch([sources[r] for r in differing] * 2, outputs)
+  scores = case.exact.score_batch([run.sources[r] for r in differing] * 2, outputs)
   assert _largest_difference(scores, mine) < 1e-4
   gnmt = [float(np.sum(m)) / ((5 + len(m)) / 6) ** 0.6 for m in mine]
-  ours_better = sum(a > b for a, b in zip(gnmt, gnmt[len(differing) :]))
+  ours, theirs = np.array(gnmt[: len(differing)]), np.array(gnmt[len(differing) :])
   print(
-    f'{case.name}: beam 4: of the {len(differing)} differences, our output has the better '
-    f"GNMT score in {ours_better}, CTranslate2's in {len(differing) - ours_better}"
+    f'{case.name}: beam 4, GNMT 0.6: ours better in {int(np.sum(ours > theirs))} of the '
+    f'{len(differing)} differences where CTranslate2 ended before the cap, worse by at most '
+    f'{float(np.max(theirs - ours)):.2e}'
   )
+  assert np.all(ours >= theirs - 1e-4)
 
 
 # --- The vocabulary ------------------------------------------------------------------------------

@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from transformer_jax.beam_candidates import best_extensions, mask_pad
+
 # step_fn(token_ids int32[b, 1], cache) -> (logits float32[b, vocab], new_cache)
 StepFn = Callable[[jax.Array, Any], tuple[jax.Array, Any]]
 # logits_fn(target_input_ids int32[b, max_len]) -> float32[b, max_len, vocab]
@@ -33,16 +35,11 @@ LogitsFn = Callable[[jax.Array], jax.Array]
 ReorderFn = Callable[[Any, jax.Array], Any]
 # extend_cache(cache, length) -> the cache made to hold `length` positions
 ExtendFn = Callable[[Any, int], Any]
+# How beam search ends hypotheses and stops (see beam_search).
+BEAM_RULES = ('exact', 'ctranslate2')
 
 
 # --- Helpers shared by all searches ------------------------------------------
-
-
-def _mask_pad(logits: jax.Array, pad_id: int) -> jax.Array:
-  """Padding is never a prediction: an emitted pad would be masked as padding
-  by a model that recomputes the prefix but attended to by one with a cache,
-  and they would diverge. logits: [..., vocab]."""
-  return logits.at[..., pad_id].set(-jnp.inf)
 
 
 def _record_token(
@@ -111,7 +108,7 @@ def _greedy_loop(
   def body(state):
     step, token, out, finished, extra = state
     logits, extra = next_logits(step, token, out, extra)
-    logits = _mask_pad(logits, pad_id)
+    logits = mask_pad(logits, pad_id)
     chosen = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [b]
     written, finished = _record_token(chosen, finished, eos_id=eos_id, pad_id=pad_id)
     out = jax.lax.dynamic_update_slice_in_dim(out, written[:, None], step, axis=1)
@@ -265,84 +262,6 @@ def _while_by_cache_length(keep_going, body, state, cache_lengths, extend_cache)
   return state
 
 
-def _top_k_block(n: int) -> int | None:
-  """The block size `_top_k_by_blocks` splits n values into: a divisor of n near 128 (a
-  ragged last block would make XLA copy the rest into a slice), or None if n has none."""
-  divisors = [size for size in range(64, 257) if n % size == 0]
-  return min(divisors, key=lambda size: abs(size - 128)) if divisors else None
-
-
-def _top_k_by_blocks(x: jax.Array, count: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """lax.top_k over the last axis of x [..., n], exactly (ties: lower index first), for
-  count << n; also returns the maximum of each block ([..., blocks], or [..., 1]).
-
-  The count largest values lie in the count blocks with the largest maxima (a value outside
-  them has count larger block maxima above it). So one reduction finds those blocks and
-  top_k sorts only their count * block values, in index order, instead of all n: XLA:CPU's
-  top_k sorts each row, where the reduction is vectorised and spread over the cores.
-  """
-  n = x.shape[-1]
-  block = _top_k_block(n)
-  if block is None or n // block <= count:
-    values, index = jax.lax.top_k(x, count)
-    return values, index, jnp.max(x, axis=-1, keepdims=True)
-  lead = x.shape[:-1]
-  block_max = jnp.max(x.reshape(*lead, n // block, block), axis=-1)  # [..., blocks]
-  _, best = jax.lax.top_k(block_max, count)  # [..., count] block numbers
-  # [..., count, block] -> [..., count * block]: indices into x, in index order.
-  index = (jnp.sort(best, axis=-1)[..., None] * block + jnp.arange(block)).reshape(
-    *lead, count * block
-  )
-  values, where = jax.lax.top_k(jnp.take_along_axis(x, index, axis=-1), count)
-  return values, jnp.take_along_axis(index, where, axis=-1), block_max
-
-
-def _best_extensions(
-  logits: jax.Array,
-  alive_logp: jax.Array,
-  only_eos: jax.Array,
-  count: int,
-  *,
-  eos_id: int,
-  pad_id: int,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """Each sentence's `count` best one-token extensions of its beams.
-
-  logits [b, k, vocab], alive_logp float32[b, k] (-inf: no
-  beam), only_eos bool[b] (at its max length a sentence may only end; EOS keeps
-  its model log-prob). An extension scores alive_logp + log-softmax of the
-  logits over the vocabulary without PAD. Returns (scores float32[b, count],
-  parent beam int32[b, count], token int32[b, count]), best first, in the order
-  of one top_k over all k * vocab extensions (ties: lower beam, then token).
-
-  A beam's best `count` tokens include all of its extensions among its
-  sentence's best `count`, so a top_k per beam comes first (`_top_k_by_blocks`)
-  and only k * count candidates meet in the second: the vocabulary is read by
-  two reductions (block maxima, then the log-sum-exp), never written out as
-  log-probs.
-  """
-  b, k, vocab = logits.shape
-  neg_inf = jnp.float32(-jnp.inf)
-  # In place (a where would be written out, once per consumer), then read in float32.
-  logits = _mask_pad(logits, pad_id).astype(jnp.float32)
-  per_beam = min(count, vocab)
-  top_logits, tokens, block_max = _top_k_by_blocks(logits, per_beam)  # [b, k, per_beam]
-  row_max = jnp.max(block_max, axis=-1, keepdims=True)  # [b, k, 1]
-  log_norm = jnp.log(jnp.sum(jnp.exp(logits - row_max), axis=-1, keepdims=True))
-  # (x - max) - log(sum(exp(x - max))): jax.nn.log_softmax's arithmetic.
-  logp = (top_logits - row_max) - log_norm
-  eos_logp = (logits[:, :, eos_id, None] - row_max) - log_norm  # [b, k, 1]
-  only_eos = only_eos[:, None, None]
-  logp = jnp.where(only_eos, jnp.where(jnp.arange(per_beam) == 0, eos_logp, neg_inf), logp)
-  tokens = jnp.where(only_eos, eos_id, tokens)
-  # Dead beams (-inf) stay dead even if their logits are not finite.
-  alive = alive_logp[:, :, None]
-  candidates = jnp.where(alive == neg_inf, neg_inf, alive + logp)
-  scores, index = jax.lax.top_k(candidates.reshape(b, k * per_beam), count)
-  token = jnp.take_along_axis(tokens.reshape(b, k * per_beam), index, axis=1)
-  return scores, (index // per_beam).astype(jnp.int32), token.astype(jnp.int32)
-
-
 def _beam_loop(
   next_logits,
   extra: Any,
@@ -356,6 +275,7 @@ def _beam_loop(
   pad_id: int,
   alpha: float,
   max_lengths: jax.Array | None,
+  rule: str = 'exact',
   cache_lengths: tuple[int, ...] = (),
   extend_cache: ExtendFn | None = None,
 ):
@@ -369,6 +289,8 @@ def _beam_loop(
   _check_lengths(batch_size, max_decode_len)
   if beam_size < 1:
     raise ValueError(f'beam_size ({beam_size}) must be >= 1')
+  if rule not in BEAM_RULES:
+    raise ValueError(f'rule must be one of {BEAM_RULES}, got {rule!r}')
   b, k, seq_len = batch_size, beam_size, max_decode_len
   neg_inf = jnp.float32(-jnp.inf)
   if max_lengths is None:
@@ -382,37 +304,61 @@ def _beam_loop(
   # beam scores at most its log-prob over the penalty of its longest length.
   best_penalty = length_penalty(jnp.clip(last_step + 1, 1, seq_len), alpha)
 
-  def keep_decoding(state):
-    step, _, _, alive_logp, _, fin_score, _ = state
+  def decided(state) -> jax.Array:
+    """bool[b]: the sentences whose hypotheses can no longer change."""
+    _, _, _, alive_logp, _, fin_score, best_ended, num_ended, _ = state
+    if rule == 'ctranslate2':
+      return best_ended & (num_ended >= k)
     best_alive = jnp.max(alive_logp, axis=1) / best_penalty  # [b]
     # Decided: beam_size finished hypotheses that no alive beam can beat
     # (with fewer, worst is -inf: only decided once nothing is alive).
-    decided = jnp.min(fin_score, axis=1) >= best_alive
-    return _keep_decoding(step, decided, seq_len)
+    return jnp.min(fin_score, axis=1) >= best_alive
 
   def body(state):
-    step, token, alive_seq, alive_logp, fin_seq, fin_score, extra = state
+    step, token, alive_seq, alive_logp, fin_seq, fin_score, best_ended, num_ended, extra = state
+    done = decided(state)  # [b]
     logits, extra = next_logits(step, token, alive_seq.reshape(b * k, seq_len), extra)
     # 2k candidates hold at least k non-EOS ones: each parent ends once at most.
-    top_logp, parent, top_token = _best_extensions(
+    top_logp, parent, top_token = best_extensions(
       logits.reshape(b, k, -1), alive_logp, step >= last_step, 2 * k, eos_id=eos_id, pad_id=pad_id
     )
     top_seq = jax.lax.dynamic_update_slice_in_dim(
       _gather(alive_seq, parent), top_token[:, :, None], step, axis=2
     )
     ended = top_token == eos_id  # [b, 2k]
+    if rule == 'ctranslate2':
+      # Only the k best candidates may end; at the last step they all do, EOS or not.
+      in_top_k = jnp.arange(2 * k) < k
+      ends = in_top_k & (ended | (step == seq_len - 1))
+      # A decided sentence's hypotheses are final: later steps add none.
+      ends = ends & ~done[:, None]
+      best_ended = best_ended | ends[:, 0]
+      num_ended = num_ended + jnp.sum(ends, axis=1, dtype=jnp.int32)
+    else:
+      # Once decided, no later hypothesis can enter the k best: nothing to mask.
+      ends = ended
 
     alive_logp, idx = jax.lax.top_k(jnp.where(ended, neg_inf, top_logp), k)
     alive_seq = _gather(top_seq, idx)
     rows = jnp.arange(b)[:, None] * k + _gather(parent, idx)  # [b, k]
     extra = reorder(extra, rows.reshape(b * k))
 
-    new_score = jnp.where(ended, top_logp / length_penalty(step + 1, alpha), neg_inf)
+    new_score = jnp.where(ends, top_logp / length_penalty(step + 1, alpha), neg_inf)
     # Old finished first: top_k keeps the lower index on ties.
     fin_score, idx = jax.lax.top_k(jnp.concatenate([fin_score, new_score], axis=1), k)
     fin_seq = _gather(jnp.concatenate([fin_seq, top_seq], axis=1), idx)
     token = jax.lax.dynamic_index_in_dim(alive_seq, step, axis=2)  # [b,k,1]
-    return (step + 1, token.reshape(b * k, 1), alive_seq, alive_logp, fin_seq, fin_score, extra)
+    return (
+      step + 1,
+      token.reshape(b * k, 1),
+      alive_seq,
+      alive_logp,
+      fin_seq,
+      fin_score,
+      best_ended,
+      num_ended,
+      extra,
+    )
 
   init = (
     jnp.asarray(0, jnp.int32),
@@ -422,10 +368,16 @@ def _beam_loop(
     jnp.tile(jnp.where(jnp.arange(k) == 0, 0.0, neg_inf), (b, 1)),
     jnp.full((b, k, seq_len), pad_id, jnp.int32),  # finished
     jnp.full((b, k), neg_inf),
+    jnp.zeros((b,), jnp.bool_),  # best_ended: a step's best candidate was EOS (ctranslate2)
+    jnp.zeros((b,), jnp.int32),  # num_ended: hypotheses ended so far (ctranslate2)
     extra,
   )
-  step, _, alive_seq, alive_logp, fin_seq, fin_score, _ = _while_by_cache_length(
-    keep_decoding, body, init, cache_lengths, extend_cache
+  step, _, alive_seq, alive_logp, fin_seq, fin_score, _, _, _ = _while_by_cache_length(
+    lambda state: _keep_decoding(state[0], decided(state), seq_len),
+    body,
+    init,
+    cache_lengths,
+    extend_cache,
   )
 
   # Finished hypotheses first; where fewer than k finished (e.g. none by
@@ -454,6 +406,7 @@ def beam_search(
   pad_id: int = 0,
   alpha: float = 0.6,
   max_lengths: jax.Array | None = None,
+  rule: str = 'exact',
   reorder_cache: ReorderFn | None = None,
   cache_lengths: Sequence[int] = (),
   extend_cache: ExtendFn | None = None,
@@ -494,10 +447,22 @@ def beam_search(
   generated tokens including EOS: at step max_lengths[i] - 1 its beams can
   only emit EOS. Without it, hypotheses are cut at max_decode_len.
 
-  Stops after max_decode_len steps, or once every sentence has beam_size
-  finished hypotheses and no alive beam could beat the worst of them even at
-  its longest length. Sentences with fewer than beam_size finished ones fill
-  the remaining slots from the alive beams (scored at their current length).
+  rule 'exact' (the default) stops after max_decode_len steps, or once every
+  sentence has beam_size finished hypotheses and no alive beam could beat the
+  worst of them even at its longest length: the k best hypotheses among all
+  that ended among a step's 2k best candidates. Sentences with fewer than
+  beam_size finished ones fill the remaining slots from the alive beams
+  (scored at their current length).
+  rule 'ctranslate2' searches as CTranslate2's BeamSearch with
+  num_hypotheses = beam_size and no length penalty during the search (and as
+  OpenNMT-py): a hypothesis ends only where EOS is among a step's k best
+  candidates (ranked by log-prob; the alive beams are the k best others, as in
+  'exact'), and a sentence is decided once a step's best candidate was EOS and
+  at least beam_size hypotheses ended; at step max_decode_len - 1 the k best
+  candidates end, EOS or not. It stops earlier and may miss hypotheses 'exact'
+  finds; with alpha = 0 it returns what CTranslate2 returns with
+  length_penalty=0, and with alpha > 0 the best of those hypotheses under the
+  GNMT penalty (CTranslate2 keeps the beam_size best by log-prob first).
 
   Returns (tokens int32[batch_size, beam_size, max_decode_len] in the module's
   convention, scores float32[batch_size, beam_size]), sorted best first; slots
@@ -518,6 +483,7 @@ def beam_search(
     pad_id=pad_id,
     alpha=alpha,
     max_lengths=max_lengths,
+    rule=rule,
     cache_lengths=_check_cache_lengths(cache_lengths, extend_cache, max_decode_len),
     extend_cache=extend_cache,
   )
@@ -534,6 +500,7 @@ def beam_search_uncached(
   pad_id: int = 0,
   alpha: float = 0.6,
   max_lengths: jax.Array | None = None,
+  rule: str = 'exact',
 ) -> tuple[jax.Array, jax.Array]:
   """beam_search by full recomputation of each beam's prefix every step.
 
@@ -554,6 +521,7 @@ def beam_search_uncached(
     pad_id=pad_id,
     alpha=alpha,
     max_lengths=max_lengths,
+    rule=rule,
   )
 
 

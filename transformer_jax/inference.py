@@ -146,11 +146,13 @@ def beam_decode(
   max_decode_len: int,
   max_lengths: jax.Array | None = None,
   use_cache: bool = True,
+  rule: str = 'exact',
 ) -> tuple[jax.Array, jax.Array]:
   """Beam search: source ids [b, s] -> (ids [b, beam, max_decode_len], scores [b, beam]).
 
   Best hypothesis first; scores are log-probabilities divided by the GNMT length penalty.
-  `max_lengths` [b] caps each sentence's output (e.g. its source length + 50).
+  `max_lengths` [b] caps each sentence's output (e.g. its source length + 50). `rule`:
+  decode.BEAM_RULES ('ctranslate2' ends and stops as CTranslate2 does; decode.beam_search).
   """
   batch_size = src_ids.shape[0]
   encoded = model.apply({'params': params}, src_ids, method=Transformer.encode)
@@ -163,6 +165,7 @@ def beam_decode(
     pad_id=PAD_ID,
     alpha=alpha,
     max_lengths=max_lengths,
+    rule=rule,
   )
   if use_cache:
     cache_lengths = _cache_lengths(max_decode_len)

@@ -1,0 +1,96 @@
+"""Each beam-search step's best one-token extensions of the beams (decode.beam_search).
+
+A step scores every alive beam's extension by every token; this finds the few best without
+writing the [beams, vocab] log-probs out: a top-k per beam from block maxima, then a top-k over
+the beams. Like decode, it never imports the model.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def mask_pad(logits: jax.Array, pad_id: int) -> jax.Array:
+  """Padding is never a prediction: an emitted pad would be masked as padding
+  by a model that recomputes the prefix but attended to by one with a cache,
+  and they would diverge. logits: [..., vocab]."""
+  return logits.at[..., pad_id].set(-jnp.inf)
+
+
+def top_k_block(n: int) -> int | None:
+  """The block size `top_k_by_blocks` splits n values into: a divisor of n near 128 (a
+  ragged last block would make XLA copy the rest into a slice), or None if n has none."""
+  divisors = [size for size in range(64, 257) if n % size == 0]
+  return min(divisors, key=lambda size: abs(size - 128)) if divisors else None
+
+
+def top_k_by_blocks(x: jax.Array, count: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """lax.top_k over the last axis of x [..., n], exactly (ties: lower index first), for
+  count << n; also returns the maximum of each block ([..., blocks], or [..., 1]).
+
+  The count largest values lie in the count blocks with the largest maxima (a value outside
+  them has count larger block maxima above it). So one reduction finds those blocks and
+  top_k sorts only their count * block values, in index order, instead of all n: XLA:CPU's
+  top_k sorts each row, where the reduction is vectorised and spread over the cores.
+  """
+  n = x.shape[-1]
+  block = top_k_block(n)
+  if block is None or n // block <= count:
+    values, index = jax.lax.top_k(x, count)
+    return values, index, jnp.max(x, axis=-1, keepdims=True)
+  lead = x.shape[:-1]
+  block_max = jnp.max(x.reshape(*lead, n // block, block), axis=-1)  # [..., blocks]
+  _, best = jax.lax.top_k(block_max, count)  # [..., count] block numbers
+  # [..., count, block] -> [..., count * block]: indices into x, in index order.
+  index = (jnp.sort(best, axis=-1)[..., None] * block + jnp.arange(block)).reshape(
+    *lead, count * block
+  )
+  values, where = jax.lax.top_k(jnp.take_along_axis(x, index, axis=-1), count)
+  return values, jnp.take_along_axis(index, where, axis=-1), block_max
+
+
+def best_extensions(
+  logits: jax.Array,
+  alive_logp: jax.Array,
+  only_eos: jax.Array,
+  count: int,
+  *,
+  eos_id: int,
+  pad_id: int,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Each sentence's `count` best one-token extensions of its beams.
+
+  logits [b, k, vocab], alive_logp float32[b, k] (-inf: no
+  beam), only_eos bool[b] (at its max length a sentence may only end; EOS keeps
+  its model log-prob). An extension scores alive_logp + log-softmax of the
+  logits over the vocabulary without PAD. Returns (scores float32[b, count],
+  parent beam int32[b, count], token int32[b, count]), best first, in the order
+  of one top_k over all k * vocab extensions (ties: lower beam, then token).
+
+  A beam's best `count` tokens include all of its extensions among its
+  sentence's best `count`, so a top_k per beam comes first (`top_k_by_blocks`)
+  and only k * count candidates meet in the second: the vocabulary is read by
+  two reductions (block maxima, then the log-sum-exp), never written out as
+  log-probs.
+  """
+  b, k, vocab = logits.shape
+  neg_inf = jnp.float32(-jnp.inf)
+  # In place (a where would be written out, once per consumer), then read in float32.
+  logits = mask_pad(logits, pad_id).astype(jnp.float32)
+  per_beam = min(count, vocab)
+  top_logits, tokens, block_max = top_k_by_blocks(logits, per_beam)  # [b, k, per_beam]
+  row_max = jnp.max(block_max, axis=-1, keepdims=True)  # [b, k, 1]
+  log_norm = jnp.log(jnp.sum(jnp.exp(logits - row_max), axis=-1, keepdims=True))
+  # (x - max) - log(sum(exp(x - max))): jax.nn.log_softmax's arithmetic.
+  logp = (top_logits - row_max) - log_norm
+  eos_logp = (logits[:, :, eos_id, None] - row_max) - log_norm  # [b, k, 1]
+  only_eos = only_eos[:, None, None]
+  logp = jnp.where(only_eos, jnp.where(jnp.arange(per_beam) == 0, eos_logp, neg_inf), logp)
+  tokens = jnp.where(only_eos, eos_id, tokens)
+  # Dead beams (-inf) stay dead even if their logits are not finite.
+  alive = alive_logp[:, :, None]
+  candidates = jnp.where(alive == neg_inf, neg_inf, alive + logp)
+  scores, index = jax.lax.top_k(candidates.reshape(b, k * per_beam), count)
+  token = jnp.take_along_axis(tokens.reshape(b, k * per_beam), index, axis=1)
+  return scores, (index // per_beam).astype(jnp.int32), token.astype(jnp.int32)
