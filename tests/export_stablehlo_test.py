@@ -242,8 +242,8 @@ def test_parameters_nest_back_to_the_translators_tree(translator):
 def test_the_runner_buckets_and_strips_as_the_translator():
   for limit in (32, 100, 256):
     assert [
-      stablehlo_runner.source_bucket(n, limit, inference._MIN_BUCKET) for n in range(1, 300)
-    ] == [inference._bucket(n, limit) for n in range(1, 300)]
+      stablehlo_runner.source_bucket(n, limit, inference.MIN_SOURCE_BUCKET) for n in range(1, 300)
+    ] == [inference.source_bucket(n, limit) for n in range(1, 300)]
   tokens = np.array([[5, 6, EOS_ID, 7, PAD_ID], [PAD_ID, 5, PAD_ID, 8, 9], [EOS_ID, 4, 4, 4, 4]])
   assert stablehlo_runner.strip_after_eos(tokens, EOS_ID, PAD_ID) == decode.strip_after_eos(
     tokens, EOS_ID, pad_id=PAD_ID

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from transformer_jax import inference
 from transformer_jax.benchmark import decoding as decode_benchmark
-from transformer_jax.inference import Translator, _bucket
+from transformer_jax.inference import Translator, source_bucket
 
 from conftest import random_weight_translator
 
@@ -22,7 +22,16 @@ def _translator() -> Translator:
 
 
 def test_bucket_sizes():
-  assert [_bucket(n, 64) for n in (1, 8, 9, 16, 17, 40, 64, 65)] == [8, 8, 16, 16, 32, 64, 64, 64]
+  assert [source_bucket(n, 64) for n in (1, 8, 9, 16, 17, 40, 64, 65)] == [
+    8,
+    8,
+    16,
+    16,
+    32,
+    64,
+    64,
+    64,
+  ]
 
 
 def test_empty_and_blank_lines_give_empty_lines():
@@ -140,7 +149,7 @@ def test_repeated_batch_shapes_compile_once():
   max_len = translator.model_config.max_len
 
   def bucket(sentences):  # one batch each here: the bucket of its longest sentence (+ EOS)
-    return _bucket(max(len(translator.tokenizer.encode(s)) + 1 for s in sentences), max_len)
+    return source_bucket(max(len(translator.tokenizer.encode(s)) + 1 for s in sentences), max_len)
 
   first = ['one', 'two hundred', 'three thousand four hundred five']
   again = ['nine', 'eight hundred one', 'seven thousand four hundred six']

@@ -49,8 +49,8 @@ from transformer_jax.config import TransformerConfig
 from transformer_jax.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from transformer_jax.errors import UserInputError, is_integer
 from transformer_jax.inference import (
-  _MIN_BUCKET,
   EXTRA_DECODE_LENGTH,
+  MIN_SOURCE_BUCKET,
   Translator,
   beam_decode,
   check_decoding_options,
@@ -228,7 +228,7 @@ def manifest(
     'special_ids': {'pad': PAD_ID, 'eos': EOS_ID, 'bos': BOS_ID, 'unk': UNK_ID},
     'max_len': config.max_len,
     'extra_decode_length': EXTRA_DECODE_LENGTH,
-    'min_source_bucket': _MIN_BUCKET,
+    'min_source_bucket': MIN_SOURCE_BUCKET,
     'defaults': {
       'beam_size': default_beam_size,
       'alpha': default_alpha,

@@ -11,7 +11,7 @@ exactly what Marian computes; see marian.py for the mapping and what is refused.
 
 from absl import flags
 
-from transformer_jax import cli, imported_workdir, marian
+from transformer_jax import cli, imported_workdir
 
 FLAGS = flags.FLAGS
 
@@ -28,10 +28,14 @@ def _define_flags():
 
 def main(argv):
   del argv
-  config, params, vocabulary, origin = marian.import_marian(
-    FLAGS.model, FLAGS.vocab, FLAGS.spm, max_len=FLAGS.max_len
+  imported_workdir.import_marian(
+    FLAGS.model,
+    FLAGS.workdir,
+    vocab=FLAGS.vocab,
+    spm=FLAGS.spm,
+    max_len=FLAGS.max_len,
+    force=FLAGS.force,
   )
-  imported_workdir.write(FLAGS.workdir, config, params, vocabulary, origin, force=FLAGS.force)
   print(FLAGS.workdir)
 
 

@@ -30,7 +30,7 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from transformer_jax import checkpointing
+from transformer_jax import checkpointing, marian
 from transformer_jax.config import TransformerConfig
 from transformer_jax.configs import default
 from transformer_jax.data.tokenizer import Tokenizer
@@ -147,6 +147,24 @@ def write(
       IMPORTED_KEY: origin,
     }
   )
+
+
+def import_marian(
+  model: str,
+  workdir: str,
+  *,
+  vocab: str | None = None,
+  spm: str | None = None,
+  max_len: int = 512,
+  force: bool = False,
+) -> None:
+  """`python -m transformer_jax.import_marian`: reads a Marian model (`marian.import_marian`:
+  a .npz, or an OPUS-MT folder, with its vocabulary) and writes it as the imported workdir
+  `workdir` (`write`)."""
+  model_config, params, vocabulary, origin = marian.import_marian(
+    model, vocab, spm, max_len=max_len
+  )
+  write(workdir, model_config, params, vocabulary, origin, force=force)
 
 
 def adopt(config: ml_collections.ConfigDict, workdir: Workdir) -> None:

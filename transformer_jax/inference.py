@@ -191,14 +191,15 @@ def beam_decode(
   return decode.beam_search_uncached(logits_fn, **common)
 
 
-_MIN_BUCKET = 8
+# Source lengths are padded to powers of two from this one (source_bucket).
+MIN_SOURCE_BUCKET = 8
 # Extra target positions beyond the source length that decoding may use.
 EXTRA_DECODE_LENGTH = 50
 
 
-def _bucket(length: int, limit: int) -> int:
+def source_bucket(length: int, limit: int) -> int:
   """Smallest power of two >= length (at least 8, at most limit): few shapes, few compiles."""
-  bucket = _MIN_BUCKET
+  bucket = MIN_SOURCE_BUCKET
   while bucket < length:
     bucket *= 2
   return min(bucket, limit)
@@ -355,7 +356,7 @@ class Translator:
     )
     for start in range(0, len(order), self.batch_size):
       rows = order[start : start + self.batch_size]
-      source_length = _bucket(max(len(encoded[i]) for i in rows), max_len)
+      source_length = source_bucket(max(len(encoded[i]) for i in rows), max_len)
       src = np.full((self.batch_size, source_length), PAD_ID, np.int32)
       max_lengths = np.ones((self.batch_size,), np.int32)
       for row, index in enumerate(rows):

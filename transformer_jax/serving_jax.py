@@ -17,7 +17,7 @@ import numpy as np
 from absl import logging
 
 from transformer_jax.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
-from transformer_jax.inference import Translator, _bucket
+from transformer_jax.inference import Translator, source_bucket
 from transformer_jax.serving_batcher import DecodingKey, Engine
 
 
@@ -92,7 +92,7 @@ class JaxEngine(Engine):
 
   def length_buckets(self) -> list[int]:
     max_len = self.model_config.max_len
-    return sorted({_bucket(n, max_len) for n in range(1, max_len + 1)})
+    return sorted({source_bucket(n, max_len) for n in range(1, max_len + 1)})
 
   def translate(self, sentences: Sequence[str], beam_size: int, alpha: float) -> list[str]:
     rows = sum(1 for sentence in sentences if sentence.strip())  # Blank ones are not decoded.
