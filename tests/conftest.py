@@ -1,6 +1,9 @@
 """Shared fixtures: a tiny training config on the embedded task's 'tiny' split sizes."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 
@@ -13,6 +16,24 @@ if 'xla_backend_optimization_level' not in os.environ.get('XLA_FLAGS', ''):
     os.environ.get('XLA_FLAGS', '') + ' --xla_backend_optimization_level=0'
     ' --xla_llvm_disable_expensive_passes=true'
   ).strip()
+
+# One persistent compilation cache for the whole session, this process and every subprocess it
+# starts (train.py runs, servers, exporters): most of them compile the same tiny programs, which
+# then load instead of compiling again (~1/3 off tests/reliability_test.py). Tests that need a
+# real compilation (interrupt_test.py) drop it from their subprocesses' environment.
+if 'JAX_COMPILATION_CACHE_DIR' not in os.environ:
+  _CACHE = tempfile.mkdtemp(prefix='transformer_jax_tests_jax_cache_')
+  atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+  os.environ.update(
+    JAX_COMPILATION_CACHE_DIR=_CACHE,
+    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0',
+    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES='0',
+  )
+COMPILATION_CACHE_VARIABLES = (
+  'JAX_COMPILATION_CACHE_DIR',
+  'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS',
+  'JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES',
+)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

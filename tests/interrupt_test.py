@@ -21,7 +21,7 @@ from transformer_jax.data.tokenizer import Tokenizer
 from transformer_jax.errors import Interrupted
 from transformer_jax.workdir import Workdir
 
-from conftest import REPO_ROOT, TINY_FLAGS, tiny_config
+from conftest import COMPILATION_CACHE_VARIABLES, REPO_ROOT, TINY_FLAGS, tiny_config
 
 
 def _message(signal_name: str) -> str:
@@ -58,8 +58,10 @@ def _sigint_handled_as_in_a_terminal():
 def _signal_when_logged(command, text: str, signum: int) -> tuple[int, float, str]:
   """Starts `command`, sends `signum` once its log has a line containing `text`: (exit status,
   seconds from the signal to the exit, everything it wrote to stderr)."""
+  # Without the suite's compilation cache: the signal must find the program compiling.
+  env = {k: v for k, v in os.environ.items() if k not in COMPILATION_CACHE_VARIABLES}
   process = subprocess.Popen(
-    command, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    command, cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
   )
   log = []
   for line in process.stderr:

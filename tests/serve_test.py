@@ -186,7 +186,9 @@ def slow_server(workdir, env, reference, tmp_path_factory):
 @pytest.fixture(scope='module')
 def ct2_server(workdir, env, reference, tmp_path_factory):
   folder = tmp_path_factory.mktemp('ct2')
-  flags = [*SERVER_FLAGS[:-1], '--decoding=4:0.6,1:0']
+  # A longer wait than SERVER_FLAGS': CTranslate2 decodes a batch in milliseconds, so on a
+  # loaded machine 16 concurrent requests could otherwise arrive one per batch.
+  flags = [*SERVER_FLAGS[:-1], '--decoding=4:0.6,1:0', '--max_wait_ms=1000']
   running = Server(
     workdir,
     env,
