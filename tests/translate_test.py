@@ -9,8 +9,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from transformer_jax import inference
+from transformer_jax import decode, inference
 from transformer_jax.benchmark import decoding as decode_benchmark
+from transformer_jax.errors import UserInputError
 from transformer_jax.inference import Translator, source_bucket
 
 from conftest import random_weight_translator
@@ -61,6 +62,43 @@ def test_output_does_not_depend_on_batch_companions():
       ['three', 'seven hundred one', 'nine thousand ' * 3], beam_size=beam_size
     )
     assert together[1] == alone[0]
+
+
+def test_the_beam_rule_reaches_the_search():
+  """Translator.translate(beam_rule=...) is beam_decode(rule=...) on each sentence alone, with
+  the translator's caps (source length + 50, EOS counted), and each rule is its own compiled
+  search (random weights rarely make the rules' outputs differ: tests/decode_test.py does)."""
+  from transformer_jax.data.tokenizer import EOS_ID, PAD_ID
+
+  translator = random_weight_translator()
+  sentences = ['seven hundred one', 'three thousand forty', 'nine']
+  for beam_rule in decode.BEAM_RULES:
+    expected = []
+    for sentence in sentences:
+      ids = [*translator.tokenizer.encode(sentence), EOS_ID]
+      length = source_bucket(len(ids), translator.model_config.max_len)
+      src = np.full((1, length), PAD_ID, np.int32)
+      src[0, : len(ids)] = ids
+      max_decode_len = min(translator.model_config.max_len, length + 50)
+      tokens, _ = inference.beam_decode(
+        translator.model,
+        translator.params,
+        src,
+        beam_size=4,
+        alpha=0.6,
+        max_decode_len=max_decode_len,
+        max_lengths=np.array([min(len(ids) + 50, max_decode_len)], np.int32),
+        rule=beam_rule,
+      )
+      (best,) = decode.strip_after_eos(np.asarray(tokens)[:, 0], EOS_ID, pad_id=PAD_ID)
+      expected.append(translator.tokenizer.decode(best))
+    assert translator.translate(sentences, beam_size=4, beam_rule=beam_rule) == expected
+  assert translator._beam._cache_size() == len(decode.BEAM_RULES)
+
+
+def test_an_unknown_beam_rule_is_a_one_line_error():
+  with pytest.raises(UserInputError, match=r"beam_rule must be one of \('exact', 'ctranslate2'\)"):
+    _translator().translate(['seven'], beam_rule='fairseq')
 
 
 def test_model_beam_search_beam1_is_greedy_and_cache_changes_nothing():

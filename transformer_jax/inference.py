@@ -220,8 +220,12 @@ class AttentionMaps:
   cross: np.ndarray  # [layers, heads, target, source]
 
 
-def check_decoding_options(beam_size: int = 4, alpha: float = 0.6, batch_size: int = 64) -> None:
+def check_decoding_options(
+  beam_size: int = 4, alpha: float = 0.6, batch_size: int = 64, beam_rule: str = 'exact'
+) -> None:
   """One-line errors for impossible decoding settings, raised before any checkpoint is read."""
+  if beam_rule not in decode.BEAM_RULES:
+    raise UserInputError(f'beam_rule must be one of {decode.BEAM_RULES}, got {beam_rule!r}')
   if not is_integer(beam_size) or beam_size < 1:
     raise UserInputError(f'beam_size must be a positive integer, got {beam_size!r}')
   if not is_number(alpha) or not 0 <= alpha < float('inf'):
@@ -250,7 +254,7 @@ class Translator:
       static_argnums=(2,),
     )
     self._beam = jax.jit(
-      lambda params, src, max_lengths, beam_size, alpha, max_decode_len: beam_decode(
+      lambda params, src, max_lengths, beam_size, alpha, max_decode_len, rule: beam_decode(
         self.model,
         params,
         src,
@@ -258,8 +262,9 @@ class Translator:
         alpha=alpha,
         max_decode_len=max_decode_len,
         max_lengths=max_lengths,
+        rule=rule,
       )[0][:, 0],
-      static_argnums=(3, 4, 5),
+      static_argnums=(3, 4, 5, 6),
     )
 
   @classmethod
@@ -303,6 +308,7 @@ class Translator:
     beam_size: int = 4,
     alpha: float = 0.6,
     *,
+    beam_rule: str = 'exact',
     progress: bool = False,
   ) -> list[str]:
     """One translation per input sentence, in order. Empty input gives empty output.
@@ -310,7 +316,8 @@ class Translator:
     beam_size 1 is greedy decoding; otherwise beam search with the GNMT length penalty
     ((5 + len) / 6)^alpha (the paper: beam 4, alpha 0.6). Outputs are at most the source length
     + 50 tokens and at most the model's max_len, EOS counted on both sides. Sentences are sorted
-    by length into batches and returned in the original order. `progress`: reports sentences
+    by length into batches and returned in the original order. `beam_rule`: decode.BEAM_RULES
+    ('ctranslate2': CTranslate2's search, see decode.beam_search). `progress`: reports sentences
     translated, batch by batch, with rate and ETA (for files; see `progress.py`).
     """
     if isinstance(sentences, (str, bytes)):
@@ -319,7 +326,7 @@ class Translator:
         'Translator.translate takes a list of sentences, got a single '
         f'{type(sentences).__name__}; pass [sentence]'
       )
-    check_decoding_options(beam_size, alpha)  # batch_size was checked in __init__.
+    check_decoding_options(beam_size, alpha, beam_rule=beam_rule)  # batch_size: in __init__.
     max_len = self.model_config.max_len
     encoded: list[list[int] | None] = []
     for index, sentence in enumerate(sentences):
@@ -367,7 +374,9 @@ class Translator:
       if beam_size == 1:
         tokens = self._greedy(self.params, src, max_decode_len)
       else:
-        tokens = self._beam(self.params, src, max_lengths, beam_size, float(alpha), max_decode_len)
+        tokens = self._beam(
+          self.params, src, max_lengths, beam_size, float(alpha), max_decode_len, beam_rule
+        )
       outputs_ids = strip_after_eos(np.asarray(tokens), EOS_ID, pad_id=PAD_ID)
       for row, (index, ids) in enumerate(zip(rows, outputs_ids)):
         # Greedy search runs to the batch's longest cap; each output keeps its own (the
