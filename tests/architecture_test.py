@@ -123,6 +123,7 @@ def test_the_stablehlo_runner_needs_only_jax_numpy_and_sentencepiece():
 WORKDIR_NAMES = (
   'config.json',
   'vocab.model',
+  'target_vocab.model',
   'checkpoints',
   'averaged',
   'imported',

@@ -23,15 +23,18 @@ import ctranslate2
 import jax
 import marian_npz
 import marian_npz_check
+import ml_collections
 import numpy as np
 import pytest
 import sentencepiece
 
 from transformer_jax import export_ctranslate2, imported_workdir, inference, marian
+from transformer_jax.data import input_pipeline
 from transformer_jax.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer
 from transformer_jax.errors import UserInputError
 from transformer_jax.models import Transformer
 from transformer_jax.paths import file_sha256
+from transformer_jax.workdir import Workdir
 
 from conftest import REPO_ROOT
 
@@ -119,7 +122,7 @@ def case(request, tmp_path_factory, spm_model):
     )
     for name in ('exact', 'stock')
   )
-  config, params, vocabulary, origin = marian.import_marian(npz, vocab, spm_model[0])
+  config, params, vocabulary, origin, _ = marian.import_marian(npz, vocab, spm_model[0])
   ours = Tokenizer(vocabulary)
   pieces = [ours.pieces([i])[0] for i in range(config.vocab_size)]
   return Case(
@@ -310,7 +313,7 @@ def _spm_vocab_npz(directory, size, seed=5):
 def test_a_spm_vocabulary_segments_as_the_spm_with_our_ids(spm_model, tmp_path):
   spm_path, spm_pieces, text = spm_model
   npz = _spm_vocab_npz(str(tmp_path), len(spm_pieces))
-  config, params, vocabulary, origin = marian.import_marian(npz, spm_path)
+  config, params, vocabulary, origin, _ = marian.import_marian(npz, spm_path)
   ours, theirs = Tokenizer(vocabulary), sentencepiece.SentencePieceProcessor(model_file=spm_path)
   assert ours.pieces(range(ours.vocab_size)) == ['<pad>', '</s>', '<s>', '<unk>'] + spm_pieces[2:]
   assert config.vocab_size == ours.vocab_size == len(spm_pieces) + 2
@@ -320,6 +323,78 @@ def test_a_spm_vocabulary_segments_as_the_spm_with_our_ids(spm_model, tmp_path):
     assert ours.pieces(ours.encode(sentence)) == [theirs.id_to_piece(i) for i in ids]
     assert ours.encode(sentence) == list(marian.our_ids(len(spm_pieces))[ids])
     assert ours.decode(ours.encode(sentence)) == theirs.decode(ids)
+
+
+GERMAN = (
+  'die katze sass auf der matte waehrend zwei hunde schnell ueber gruene huegel liefen und in '
+  'tiefe taeler wo sieben alte bauern lieder ueber regen sonne und wind sangen'
+).split()
+
+
+def test_a_target_spm_segments_targets_as_marian_s_training_did(spm_model, tmp_path):
+  """OPUS-MT's layout with its two segmenters: one joint vocab.yml, source.spm for English,
+  target.spm for German. The import writes both as SentencePiece models over the same ids; the
+  target one segments German as target.spm does (source.spm would cut it otherwise), and
+  training tokenizes targets with it (input_pipeline.load_target_tokenizer)."""
+  source_spm, source_pieces, _ = spm_model
+  rng = np.random.default_rng(4)
+  german = [' '.join(rng.choice(GERMAN, rng.integers(3, 12))) for _ in range(400)]
+  target_prefix = str(tmp_path / 'target')
+  target_pieces = marian_npz.train_sentencepiece(target_prefix, german, 80)
+  folder = tmp_path / 'opus'
+  folder.mkdir()
+  os.rename(target_prefix + '.model', folder / 'target.spm')
+  shutil.copy(source_spm, folder / 'source.spm')
+  joint = list(dict.fromkeys(source_pieces + target_pieces))  # </s>, <unk> first, as Marian's.
+  marian_npz.write_vocab_yml(str(folder / 'opus.vocab.yml'), joint)
+  _spm_vocab_npz(str(folder), len(joint))
+
+  workdir = str(tmp_path / 'imported')
+  imported_workdir.import_marian(str(folder), workdir)
+  saved = Workdir(workdir)
+  ours = Tokenizer.load(saved.vocab_file)
+  targets = input_pipeline.load_target_tokenizer(saved)
+  assert targets is not None and targets.vocab_size == ours.vocab_size == len(joint) + 2
+  assert targets.pieces(range(targets.vocab_size)) == ours.pieces(range(ours.vocab_size))
+  marian_target = sentencepiece.SentencePieceProcessor(model_file=str(folder / 'target.spm'))
+  differ = 0
+  for sentence in german[:50]:
+    expected = marian_target.encode(sentence, out_type=str)
+    assert targets.pieces(targets.encode(sentence)) == expected
+    assert targets.decode(targets.encode(sentence)) == sentence
+    differ += ours.pieces(ours.encode(sentence)) != expected
+  assert differ >= 40  # source.spm segments German otherwise: the target model matters.
+  origin = json.loads(saved.config_file.read_text())['imported_from']
+  assert origin['target_spm'] == str(folder / 'target.spm')
+  maps = inference.Translator.from_checkpoint(workdir).attention('the cat sat', german[0])
+  assert maps.target_tokens == marian_target.encode(german[0], out_type=str) + ['</s>']
+
+  # Training's tokenization: targets through target.spm, sources through source.spm.
+  config = ml_collections.ConfigDict({'data': {'src_lang': 'en', 'tgt_lang': 'de'}})
+  english = [' '.join(rng.choice(ENGLISH, 5)) for _ in range(8)]
+  source = _Examples([{'en': e, 'de': g} for e, g in zip(english, german)])
+  split = input_pipeline.TokenizedSplit.build(source, ours, config, target_tokenizer=targets)
+  for index, (e, g) in enumerate(zip(english, german[:8])):
+    assert list(split[index]['inputs']) == [*ours.encode(e), EOS_ID]
+    assert list(split[index]['targets']) == [*targets.encode(g), EOS_ID]
+  plain = input_pipeline.TokenizedSplit.build(source, ours, config)
+  assert any(list(plain[i]['targets']) != list(split[i]['targets']) for i in range(8))
+
+  # A same-content target.spm is no second segmenter; --target_spm with a .spm vocabulary is
+  # refused.
+  shutil.copy(folder / 'source.spm', folder / 'target.spm')
+  assert marian.import_marian(str(folder))[4] is None
+  with pytest.raises(UserInputError, match='a .spm vocabulary segments both sides'):
+    marian.import_marian(
+      str(folder / 'model.npz'), source_spm, target_spm=str(folder / 'target.spm')
+    )
+
+
+class _Examples(list):
+  """A list with the tfds data source's batch read (input_pipeline.read_examples)."""
+
+  def __getitems__(self, indices):
+    return [self[i] for i in indices]
 
 
 def test_a_yml_vocabulary_with_the_source_spm(spm_model, tmp_path):
@@ -343,7 +418,7 @@ def test_a_yml_vocabulary_with_the_source_spm(spm_model, tmp_path):
   shutil.copy(os.path.join(directory, 'opus.model1.npz'), os.path.join(directory, 'other.npz'))
   with open(os.path.join(directory, 'decoder.yml'), 'w') as f:  # It names the model to use.
     f.write('models:\n  - opus.model1.npz\nvocabs:\n  - opus.vocab.yml\n  - opus.vocab.yml\n')
-  config, params, vocabulary, origin = marian.import_marian(directory)
+  config, params, vocabulary, origin, _ = marian.import_marian(directory)
   assert origin['model'].endswith('opus.model1.npz')
   assert origin['vocab'].endswith('opus.vocab.yml') and origin['spm'].endswith('source.spm')
   ours, theirs = Tokenizer(vocabulary), sentencepiece.SentencePieceProcessor(model_file=spm_path)
@@ -576,7 +651,7 @@ def test_nul_padded_options_and_legacy_layouts_are_read(spm_model, tmp_path):
     npz, pad_meta=True, tied_embeddings='none', legacy_output_w=True, logits_bias=False
   )
   assert arrays['special:model.yml'].size % 256 == 0
-  config, params, _, origin = marian.import_marian(npz, vocab, spm_path)
+  config, params, _, origin, _ = marian.import_marian(npz, vocab, spm_path)
   assert not config.share_embeddings and origin['mapped']['embeddings'] == 'none'
   assert config.vocab_size == 12 + origin['mapped']['pieces_appended_as_unk']
   ids = marian.our_ids(10)

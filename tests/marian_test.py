@@ -137,7 +137,8 @@ def case(request, vocabulary, tmp_path_factory):
 
 
 def test_the_import_gives_back_every_parameter_and_the_vocabulary(case, vocabulary):
-  config, params, imported_vocabulary, origin = case.imported
+  config, params, imported_vocabulary, origin, target_vocabulary = case.imported
+  assert target_vocabulary is None  # target.spm is a copy of source.spm here.
   assert config == case.config.replace(dropout_rate=config.dropout_rate)
   assert origin['mapped']['pieces_appended_as_unk'] == 0
   ours, back = _leaves(case.params), _leaves(params)

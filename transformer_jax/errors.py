@@ -65,6 +65,11 @@ def exit_code(error: BaseException) -> int | None:
   return None
 
 
+def one_line(error: BaseException) -> str:
+  """A library's error message on one line (for a UserInputError that quotes it)."""
+  return ' '.join(str(error).split())
+
+
 def is_integer(value: Any) -> bool:
   """A Python int that is not a bool (True would pass as 1)."""
   return isinstance(value, int) and not isinstance(value, bool)

@@ -1,12 +1,13 @@
 """Imports a Marian / OPUS-MT transformer as a workdir that translate, evaluate and train.py use:
 
-    python -m transformer_jax.import_marian --model=DIR_OR_NPZ [--vocab=X.yml --spm=source.spm]
-        --workdir=OUT [--max_len=512] [--force]
+    python -m transformer_jax.import_marian --model=DIR_OR_NPZ [--vocab=X.yml --spm=source.spm
+        [--target_spm=target.spm]] --workdir=OUT [--max_len=512] [--force]
 
 --model: a Marian `.npz`, or an OPUS-MT folder (its decoder.yml's model and vocabulary, else its
-one `*.npz`, `*vocab.yml` and `source.spm`). --vocab: Marian's vocabulary, a `.yml` (with --spm,
-the SentencePiece model that segments the source) or a `.spm`. The imported model computes
-exactly what Marian computes; see marian.py for the mapping and what is refused.
+one `*.npz` and `*vocab.yml`; `source.spm`, and `target.spm` if it is another). --vocab: Marian's
+vocabulary, a `.yml` (with --spm, the SentencePiece model that segments the source, and
+--target_spm if the target's is another) or a `.spm`. The imported model computes exactly what
+Marian computes; see marian.py for the mapping and what is refused.
 """
 
 from absl import flags
@@ -20,6 +21,9 @@ def _define_flags():
   flags.DEFINE_string('model', None, 'Marian .npz model, or a folder holding one (OPUS-MT).')
   flags.DEFINE_string('vocab', None, "Marian's vocabulary: X.yml (with --spm) or X.spm.")
   flags.DEFINE_string('spm', None, 'SentencePiece model that segments the source (source.spm).')
+  flags.DEFINE_string(
+    'target_spm', None, 'SentencePiece model that segments the target (target.spm), if another.'
+  )
   flags.DEFINE_string('workdir', None, 'Folder to write (new, or an imported one with --force).')
   flags.DEFINE_integer('max_len', 512, 'Longest source or target (in pieces) the model accepts.')
   flags.DEFINE_bool('force', False, 'Replace a workdir that holds an untrained imported model.')
@@ -33,6 +37,7 @@ def main(argv):
     FLAGS.workdir,
     vocab=FLAGS.vocab,
     spm=FLAGS.spm,
+    target_spm=FLAGS.target_spm,
     max_len=FLAGS.max_len,
     force=FLAGS.force,
   )

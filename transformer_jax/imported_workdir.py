@@ -4,6 +4,8 @@ holds, and the rules training and translation follow for it.
     DIR/config.json   {'config': a run config (configs/default.py with the model's fields),
                        'model': the TransformerConfig, 'imported_from': where it came from}
     DIR/vocab.model   the model's vocabulary, a SentencePiece model in our id order
+    DIR/target_vocab.model  optional: the same pieces and ids, segmenting target text as the
+                      model's training did (OPUS-MT's target.spm), for fine-tuning
     DIR/imported/     the parameters, a params-only checkpoint (as DIR/averaged/)
 
 Translation (`inference`): with no training checkpoint, the imported parameters are the latest.
@@ -105,6 +107,7 @@ def write(
   vocabulary: bytes,
   origin: dict,
   *,
+  target_vocabulary: bytes | None = None,
   force: bool = False,
 ) -> None:
   """Writes an imported workdir (the module docstring); config.json last, so that a crash
@@ -135,10 +138,16 @@ def write(
       f'the imported vocabulary has {tokenizer.vocab_size} pieces, the model '
       f'{model_config.vocab_size}'
     )
+  if target_vocabulary is not None:
+    targets = Tokenizer(target_vocabulary, '<imported target vocabulary>')
+    if targets.pieces(range(targets.vocab_size)) != tokenizer.pieces(range(tokenizer.vocab_size)):
+      raise ValueError('the imported target vocabulary has other pieces than the vocabulary')
   _check_params(model_config, params)
   config = run_config(model_config, _model_type(vocabulary))
   target.path.mkdir(parents=True, exist_ok=True)
   target.vocab_file.write_bytes(vocabulary)
+  if target_vocabulary is not None:
+    target.target_vocab_file.write_bytes(target_vocabulary)
   checkpointing.save_params(str(target.imported), params, {IMPORTED_KEY: origin})
   target.write_run_config(
     {
@@ -155,16 +164,25 @@ def import_marian(
   *,
   vocab: str | None = None,
   spm: str | None = None,
+  target_spm: str | None = None,
   max_len: int = 512,
   force: bool = False,
 ) -> None:
   """`python -m transformer_jax.import_marian`: reads a Marian model (`marian.import_marian`:
   a .npz, or an OPUS-MT folder, with its vocabulary) and writes it as the imported workdir
   `workdir` (`write`)."""
-  model_config, params, vocabulary, origin = marian.import_marian(
-    model, vocab, spm, max_len=max_len
+  model_config, params, vocabulary, origin, target_vocabulary = marian.import_marian(
+    model, vocab, spm, max_len=max_len, target_spm=target_spm
   )
-  write(workdir, model_config, params, vocabulary, origin, force=force)
+  write(
+    workdir,
+    model_config,
+    params,
+    vocabulary,
+    origin,
+    target_vocabulary=target_vocabulary,
+    force=force,
+  )
 
 
 def adopt(config: ml_collections.ConfigDict, workdir: Workdir) -> None:

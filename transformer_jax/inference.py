@@ -239,13 +239,21 @@ class Translator:
   or greedy with beam_size=1)."""
 
   def __init__(
-    self, model_config: TransformerConfig, params, tokenizer: Tokenizer, batch_size: int = 64
+    self,
+    model_config: TransformerConfig,
+    params,
+    tokenizer: Tokenizer,
+    batch_size: int = 64,
+    target_tokenizer: Tokenizer | None = None,
   ):
+    """target_tokenizer: segments given targets (`attention`) where the workdir has its own
+    target segmentation (Workdir.target_vocab_file); tokenizer does everything else."""
     check_decoding_options(batch_size=batch_size)
     self.model_config = model_config
     self.model = Transformer(model_config)
     self.params = params
     self.tokenizer = tokenizer
+    self.target_tokenizer = target_tokenizer or tokenizer
     self.batch_size = batch_size
     self._greedy = jax.jit(
       lambda params, src, max_decode_len: greedy_decode(
@@ -300,7 +308,9 @@ class Translator:
       nn.meta.unbox(abstract['params']),
     )
     params = _restore(workdir, checkpoint, abstract_params)
-    return cls(model_config, params, tokenizer, batch_size)
+    target_file = workdir.target_vocab_file
+    target_tokenizer = Tokenizer.load(target_file) if target_file.exists() else None
+    return cls(model_config, params, tokenizer, batch_size, target_tokenizer)
 
   def translate(
     self,
@@ -398,7 +408,7 @@ class Translator:
       target = self.translate([source], beam_size=beam_size, alpha=alpha)[0]
     max_len = self.model_config.max_len
     source_ids = (self.tokenizer.encode(source)[: max_len - 1]) + [EOS_ID]
-    target_ids = (self.tokenizer.encode(target)[: max_len - 1]) + [EOS_ID]
+    target_ids = (self.target_tokenizer.encode(target)[: max_len - 1]) + [EOS_ID]
     src = np.asarray([source_ids], np.int32)  # [1, s]
     decoder_inputs = np.asarray([[BOS_ID] + target_ids[:-1]], np.int32)  # [1, t]
     _, state = self._attention_apply(self.params, src, decoder_inputs)

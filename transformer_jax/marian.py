@@ -12,10 +12,11 @@
              zero start embedding. Their logits get MASKED_LOGIT_BIAS (`logits_bias`, which
              also carries Marian's `decoder_ff_logit_out_b`).
   vocabulary Marian's ids come from a `.yml` (`piece: id`) or a `.spm` (eos_id=0, unk_id=1);
-             OPUS-MT segments with `source.spm`. Ours keeps that .spm's normaliser, model type
-             and scores; .yml pieces it lacks are UNUSED (never produced by segmentation, still
-             decoded); .spm pieces the .yml lacks (Marian reads them as <unk>) come last, with
-             <unk>'s rows. Segmentation and ids are then what Marian reads.
+             OPUS-MT segments sources with `source.spm`, targets with `target.spm`. Ours keeps
+             each .spm's normaliser, model type and scores (one model per side, the same ids);
+             .yml pieces it lacks are UNUSED (never produced by segmentation, still decoded);
+             .spm pieces the .yml lacks (Marian reads them as <unk>) come last, with <unk>'s
+             rows. Segmentation and ids are then what Marian reads.
 
 What the model cannot represent is a one-line `UserInputError` naming the file and the option
 or tensor. Sources: marian-dev src/models/transformer.h, src/layers/{embedding,output}.cpp,
@@ -35,7 +36,8 @@ import numpy as np
 
 from transformer_jax.config import TransformerConfig
 from transformer_jax.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID
-from transformer_jax.errors import UserInputError
+from transformer_jax.errors import UserInputError, one_line
+from transformer_jax.marian_vocabulary import read_vocabulary, sentencepiece_vocabulary
 from transformer_jax.paths import file_sha256
 
 # Logit bias of the ids Marian has no use for (PAD, BOS, copies of <unk>): exp(-30) is
@@ -123,7 +125,7 @@ def read_npz(path: str) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
   except (ValueError, OSError, EOFError, zipfile.BadZipFile) as error:
     if not os.path.exists(path):
       raise FileNotFoundError(f'Marian model not found: {path}') from None
-    raise UserInputError(f'{path}: not a Marian .npz model ({_first_line(error)})') from None
+    raise UserInputError(f'{path}: not a Marian .npz model ({one_line(error)})') from None
   if not isinstance(npz, np.lib.npyio.NpzFile):
     raise UserInputError(f'{path}: a single .npy array, not a Marian .npz model')
   arrays = {}
@@ -134,7 +136,7 @@ def read_npz(path: str) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
       try:
         array = npz[name]
       except ValueError as error:  # An object array: its pickle is refused.
-        raise UserInputError(f'{path}: tensor {name}: {_first_line(error)}') from None
+        raise UserInputError(f'{path}: tensor {name}: {one_line(error)}') from None
       if name == META_KEY:
         options = _parse_meta(array, path)
       elif array.dtype not in (np.float32, np.float16):
@@ -154,14 +156,10 @@ def _parse_meta(meta: np.ndarray, path: str) -> dict[str, Any]:
   try:
     options = yaml.safe_load(text)
   except yaml.YAMLError as error:
-    options = _first_line(error)
+    options = one_line(error)
   if not isinstance(options, dict):
     raise UserInputError(f'{path}: {META_KEY} is not a YAML map of options ({options!r:.200})')
   return options
-
-
-def _first_line(error: BaseException) -> str:
-  return ' '.join(str(error).split())
 
 
 # --- Options -----------------------------------------------------------------------------------
@@ -391,121 +389,13 @@ def map_params(
   return params
 
 
-# --- The vocabulary ----------------------------------------------------------------------------
-
-
-def read_vocab_yml(path: str) -> list[str]:
-  """Pieces by id of a Marian vocabulary `.yml` (`piece: id` lines, data/default_vocab.cpp).
-  Every scalar is text (YAML's base loader: a safe loader turns unquoted `yes`, `null`, `1.0` into
-  other types, merging keys); repeated or missing ids are refused, never silently dropped."""
-  import yaml
-
-  loader = getattr(yaml, 'CBaseLoader', yaml.BaseLoader)
-  try:
-    with open(path, encoding='utf-8') as f:
-      node = yaml.compose(f, Loader=loader)
-  except (yaml.YAMLError, UnicodeDecodeError) as error:
-    raise UserInputError(f'{path}: not a Marian vocabulary ({_first_line(error)})') from None
-  if not isinstance(node, yaml.MappingNode):
-    raise UserInputError(f'{path}: not a Marian vocabulary (a YAML map piece: id)')
-  pieces: dict[int, str] = {}
-  for key, value in node.value:
-    if not isinstance(key, yaml.ScalarNode) or not isinstance(value, yaml.ScalarNode):
-      raise UserInputError(f'{path}: line {key.start_mark.line + 1}: expected piece: id')
-    index = int(value.value) if re.fullmatch(r'\d+', value.value) else -1
-    if index in pieces or index < 0:
-      raise UserInputError(
-        f'{path}: line {key.start_mark.line + 1}: bad or repeated id {value.value!r}'
-      )
-    pieces[index] = key.value
-  if sorted(pieces) != list(range(len(pieces))):
-    missing = min(set(range(len(pieces))) - set(pieces))
-    raise UserInputError(f'{path}: ids are not 0..{len(pieces) - 1}: {missing} is missing')
-  return [pieces[i] for i in range(len(pieces))]
-
-
-def _load_spm(path: str):
-  from sentencepiece import sentencepiece_model_pb2
-
-  proto = sentencepiece_model_pb2.ModelProto()
-  try:
-    proto.ParseFromString(pathlib.Path(path).read_bytes())
-  except FileNotFoundError:
-    raise FileNotFoundError(f'SentencePiece model not found: {path}') from None
-  except Exception as error:  # protobuf's DecodeError
-    raise UserInputError(f'{path}: not a SentencePiece model ({_first_line(error)})') from None
-  if not proto.pieces:
-    raise UserInputError(f'{path}: not a SentencePiece model (no pieces)')
-  return proto
-
-
-def sentencepiece_vocabulary(
-  marian_pieces: list[str], spm_path: str, yml_path: str | None = None
-) -> tuple[bytes, int]:
-  """(SentencePiece model bytes, number of pieces appended as <unk> copies).
-
-  Our ids: [<pad>, </s>, <s>, <unk>] + marian_pieces[2:] + the .spm's pieces that Marian's
-  vocabulary lacks (`_rows`). The .spm gives normaliser, model type, scores and piece types;
-  pieces it lacks are UNUSED with a score below every other, so segmentation never produces them.
-  """
-  import sentencepiece
-  from sentencepiece import sentencepiece_model_pb2
-
-  source = yml_path or spm_path
-  Piece = sentencepiece_model_pb2.ModelProto.SentencePiece
-  if marian_pieces[:2] != ['</s>', '<unk>']:
-    raise UserInputError(f'{source}: Marian vocabularies start with </s> (0) and <unk> (1)')
-  clash = sorted(set(marian_pieces) & {'<pad>', '<s>'})
-  if clash or len(set(marian_pieces)) != len(marian_pieces):
-    why = f'{clash[0]!r} is one of our reserved pieces' if clash else 'a piece is listed twice'
-    raise UserInputError(f'{source}: {why}')
-  spm = _load_spm(spm_path)
-  scores = {p.piece: (p.score, p.type) for p in spm.pieces}
-  lowest = min(p.score for p in spm.pieces) - 1.0
-  known = set(marian_pieces) | {'<pad>', '<s>'}
-  extra = [p.piece for p in spm.pieces if p.piece not in known]
-  proto = sentencepiece_model_pb2.ModelProto()  # Without the .spm's self-test samples, if any.
-  for field in ('trainer_spec', 'normalizer_spec', 'denormalizer_spec'):
-    if spm.HasField(field):
-      getattr(proto, field).CopyFrom(getattr(spm, field))
-  for index, piece in enumerate(['<pad>', '</s>', '<s>', '<unk>']):
-    proto.pieces.add(piece=piece, type=Piece.UNKNOWN if index == UNK_ID else Piece.CONTROL)
-  for piece in marian_pieces[2:] + extra:
-    score, kind = scores.get(piece, (lowest, Piece.UNUSED))
-    if kind not in (Piece.NORMAL, Piece.USER_DEFINED, Piece.BYTE):
-      kind = Piece.UNUSED  # Another control piece of the .spm: no id of ours means it.
-    proto.pieces.add(piece=piece, score=score, type=kind)
-  spec = proto.trainer_spec
-  spec.vocab_size = len(proto.pieces)
-  spec.pad_id, spec.eos_id, spec.bos_id, spec.unk_id = PAD_ID, EOS_ID, BOS_ID, UNK_ID
-  spec.pad_piece, spec.eos_piece, spec.bos_piece, spec.unk_piece = '<pad>', '</s>', '<s>', '<unk>'
-  vocabulary = proto.SerializeToString()
-  try:
-    sentencepiece.SentencePieceProcessor().LoadFromSerializedProto(vocabulary)
-  except Exception as error:  # sentencepiece raises bare RuntimeErrors
-    raise UserInputError(f'{spm_path}: our copy does not load: {_first_line(error)}') from None
-  return vocabulary, len(extra)
-
-
-def read_vocabulary(vocab: str, spm: str | None = None) -> tuple[list[str], str, str | None]:
-  """(Marian's pieces by id, the .spm that segments, the .yml or None) for --vocab [--spm]."""
-  if vocab.endswith('.spm') or vocab.endswith('.model'):
-    if spm is not None and os.path.abspath(spm) != os.path.abspath(vocab):
-      raise UserInputError(f'--spm={spm} with --vocab={vocab}: a .spm vocabulary segments itself')
-    return [p.piece for p in _load_spm(vocab).pieces], vocab, None
-  if spm is None:
-    raise UserInputError(f'--vocab={vocab} needs --spm=source.spm (the model that segments text)')
-  if not os.path.exists(vocab):
-    raise FileNotFoundError(f'vocabulary not found: {vocab}')
-  return read_vocab_yml(vocab), spm, vocab
-
-
 # --- A model directory -------------------------------------------------------------------------
 
 
-def find_model_files(directory: str) -> tuple[str, str, str | None]:
-  """(npz, vocab, spm) of an OPUS-MT-style directory: its decoder.yml's model and vocabularies
-  if present, else its one `*.npz` and `*vocab.yml`; `source.spm` (or the one `*.spm`)."""
+def find_model_files(directory: str) -> tuple[str, str, str | None, str | None]:
+  """(npz, vocab, spm, target spm) of an OPUS-MT-style directory: its decoder.yml's model and
+  vocabularies if present, else its one `*.npz` and `*vocab.yml`; `source.spm` (or the one
+  `*.spm`); `target.spm` if present and not a copy of source.spm, else None."""
   import yaml
 
   def inside(name: str) -> str:
@@ -534,30 +424,50 @@ def find_model_files(directory: str) -> tuple[str, str, str | None]:
     raise UserInputError(f'--model={directory}: no vocabulary (*.vocab.yml or *.spm); give --vocab')
   spms = [n for n in names if n.endswith('.spm')]
   spm = 'source.spm' if 'source.spm' in spms else (spms[0] if len(spms) == 1 else None)
-  return inside(npzs[0]), inside(vocabs[0]), None if spm is None else inside(spm)
+  target = 'target.spm' if spm == 'source.spm' and 'target.spm' in spms else None
+  if target and file_sha256(inside(target)) == file_sha256(inside(spm)):
+    target = None
+  return (
+    inside(npzs[0]),
+    inside(vocabs[0]),
+    None if spm is None else inside(spm),
+    None if target is None else inside(target),
+  )
 
 
 # --- The whole import --------------------------------------------------------------------------
 
 
 def import_marian(
-  model_path: str, vocab: str | None = None, spm: str | None = None, max_len: int = 512
-) -> tuple[TransformerConfig, dict[str, Any], bytes, dict[str, Any]]:
-  """(config, params, vocabulary bytes, origin) of a Marian model (a .npz, or a directory).
+  model_path: str,
+  vocab: str | None = None,
+  spm: str | None = None,
+  max_len: int = 512,
+  target_spm: str | None = None,
+) -> tuple[TransformerConfig, dict[str, Any], bytes, dict[str, Any], bytes | None]:
+  """(config, params, vocabulary bytes, origin, target vocabulary bytes or None) of a Marian
+  model (a .npz, or a directory, whose target.spm is found as its source.spm).
 
-  origin records the files, the .npz's SHA-256, Marian's version string and the options used.
+  The target vocabulary (from target_spm, OPUS-MT's target.spm) has the same pieces in the same
+  ids and segments target text as Marian's training did; without one, the vocabulary segments
+  both sides. origin records the files, the .npz's SHA-256, Marian's version string and the
+  options used.
   """
   if os.path.isdir(model_path):
-    found_npz, found_vocab, found_spm = find_model_files(model_path)
+    found_npz, found_vocab, found_spm, found_target = find_model_files(model_path)
     npz_path, vocab = found_npz, vocab or found_vocab
     if spm is None and not vocab.endswith('.spm'):
-      spm = found_spm
+      spm, target_spm = found_spm, target_spm or found_target
   else:
     npz_path = model_path
     if not os.path.exists(model_path):
       raise FileNotFoundError(f'Marian model not found: {model_path}')
     if vocab is None:
       raise UserInputError(f'--model={model_path} is a file: give its --vocab (and --spm)')
+  if target_spm is not None and vocab.endswith(('.spm', '.model')):
+    raise UserInputError(
+      f'--target_spm={target_spm} with --vocab={vocab}: a .spm vocabulary segments both sides'
+    )
   options, arrays = read_npz(npz_path)
   layout = check_options(options, npz_path)
   marian_vocab_size = check_tensors(arrays, layout, npz_path)
@@ -566,7 +476,9 @@ def import_marian(
     raise UserInputError(
       f'{vocab}: {len(pieces)} pieces, but the model {npz_path} has {marian_vocab_size}'
     )
-  vocabulary, extra = sentencepiece_vocabulary(pieces, spm_path, yml_path)
+  vocabulary, target_vocabulary, extra = sentencepiece_vocabulary(
+    pieces, spm_path, yml_path, target_spm
+  )
   vocab_size = marian_vocab_size + 2 + extra
   config = TransformerConfig(
     vocab_size=vocab_size,
@@ -582,9 +494,10 @@ def import_marian(
     'model_sha256': file_sha256(npz_path),
     'vocab': os.path.abspath(vocab),
     'spm': os.path.abspath(spm_path),
+    'target_spm': os.path.abspath(target_spm) if target_spm else None,
     'marian_version': str(options.get('version') or ''),
     'options': json.loads(json.dumps({k: options[k] for k in sorted(options)}, default=str)),
     'mapped': {**layout, 'pieces_appended_as_unk': extra},
     'ignored_options': sorted(k for k in options if k in _IGNORED_OPTIONS and k != 'version'),
   }
-  return config, params, vocabulary, origin
+  return config, params, vocabulary, origin, target_vocabulary

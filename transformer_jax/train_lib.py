@@ -401,7 +401,13 @@ class _Run:
     )
     self.model_config = model_config_from(config, self.tokenizer.vocab_size)
     save_run_config(config, self.model_config, workdir)
-    self.tokenized = input_pipeline.tokenized_splits(self.sources, self.tokenizer, config, workdir)
+    self.tokenized = input_pipeline.tokenized_splits(
+      self.sources,
+      self.tokenizer,
+      config,
+      workdir,
+      target_tokenizer=input_pipeline.load_target_tokenizer(workdir),
+    )
     self.trainer = Trainer(config, self.model_config)
     self.train_iterator = input_pipeline.make_train_iterator(
       self.tokenized[config.train_split],

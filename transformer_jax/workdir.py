@@ -2,6 +2,7 @@
 
     DIR/config.json             the resolved run config and model config (`run_config`)
     DIR/vocab.model             the shared SentencePiece vocabulary
+    DIR/target_vocab.model      optional: the same ids, segmenting targets (an imported target.spm)
     DIR/checkpoints/<step>/     orbax step checkpoints (state + input-pipeline position)
     DIR/averaged/               the averaged parameters (`python -m transformer_jax.average`)
     DIR/imported/               an imported model's parameters (`import_marian`), used until
@@ -34,6 +35,7 @@ from transformer_jax.errors import UserInputError
 
 _CONFIG_FILE = 'config.json'
 _VOCAB_FILE = 'vocab.model'
+_TARGET_VOCAB_FILE = 'target_vocab.model'
 _CHECKPOINTS = 'checkpoints'
 _AVERAGED = 'averaged'
 _IMPORTED = 'imported'
@@ -69,6 +71,12 @@ class Workdir:
   @property
   def vocab_file(self) -> epath.Path:
     return self.path / _VOCAB_FILE
+
+  @property
+  def target_vocab_file(self) -> epath.Path:
+    """Only in workdirs whose targets are segmented by another model than their sources (an
+    imported OPUS-MT model's target.spm): the same pieces and ids as vocab_file."""
+    return self.path / _TARGET_VOCAB_FILE
 
   @property
   def checkpoints(self) -> epath.Path:

@@ -136,6 +136,13 @@ def training_sentences(source, config: ml_collections.ConfigDict) -> Iterator[st
     yield _text(example, config.data.tgt_lang)
 
 
+def load_target_tokenizer(workdir: Workdir) -> Tokenizer | None:
+  """The workdir's target-side segmentation (`Workdir.target_vocab_file`: the same ids as its
+  vocabulary, e.g. an imported OPUS-MT model's target.spm), or None: one model segments both."""
+  path = workdir.target_vocab_file
+  return Tokenizer.load(path) if path.exists() else None
+
+
 def load_or_train_tokenizer(
   config: ml_collections.ConfigDict, workdir: Workdir, train_source
 ) -> Tokenizer:
@@ -215,17 +222,19 @@ class TokenizedSplit:
     config: ml_collections.ConfigDict,
     cache_path: str | os.PathLike | None = None,
     dataset_name: str = '',
+    target_tokenizer: Tokenizer | None = None,
   ) -> 'TokenizedSplit':
-    """Loads `cache_path` if it was made from the same source and vocabulary, else tokenizes."""
-    fingerprint = json.dumps(
-      {
-        'dataset': dataset_name,
-        'keys': [config.data.src_lang, config.data.tgt_lang],
-        'examples': len(source),
-        'vocabulary': tokenizer.fingerprint,
-      },
-      sort_keys=True,
-    )
+    """Loads `cache_path` if it was made from the same source and vocabulary, else tokenizes
+    (targets with target_tokenizer if given: `load_target_tokenizer`)."""
+    identity = {
+      'dataset': dataset_name,
+      'keys': [config.data.src_lang, config.data.tgt_lang],
+      'examples': len(source),
+      'vocabulary': tokenizer.fingerprint,
+    }
+    if target_tokenizer is not None:
+      identity['target_vocabulary'] = target_tokenizer.fingerprint
+    fingerprint = json.dumps(identity, sort_keys=True)
     cache_path = paths.local_or_remote(cache_path) if cache_path else None
     if cache_path and cache_path.exists():
       with cache_path.open('rb') as f, np.load(f, allow_pickle=False) as cached:
@@ -241,8 +250,11 @@ class TokenizedSplit:
     ) as bar:
       for chunk_start in range(0, len(source), _TOKENIZE_CHUNK):
         examples = list(read_examples(source, chunk_start, chunk_start + _TOKENIZE_CHUNK))
-        for side, key in (('inputs', config.data.src_lang), ('targets', config.data.tgt_lang)):
-          ids = tokenizer.encode_batch([_text(example, key) for example in examples])
+        for side, key, segmenter in (
+          ('inputs', config.data.src_lang, tokenizer),
+          ('targets', config.data.tgt_lang, target_tokenizer or tokenizer),
+        ):
+          ids = segmenter.encode_batch([_text(example, key) for example in examples])
           chunks[side].append(_flatten([sequence + [EOS_ID] for sequence in ids]))
         bar.update(len(examples))
     split = cls._from_chunks(chunks)
@@ -281,7 +293,11 @@ def _flatten(sequences: list) -> tuple[np.ndarray, np.ndarray]:
 
 
 def tokenized_splits(
-  sources: dict, tokenizer: Tokenizer, config: ml_collections.ConfigDict, workdir: Workdir
+  sources: dict,
+  tokenizer: Tokenizer,
+  config: ml_collections.ConfigDict,
+  workdir: Workdir,
+  target_tokenizer: Tokenizer | None = None,
 ) -> dict[str, TokenizedSplit]:
   splits = {}
   for split in dict.fromkeys([config.train_split, config.eval_split, config.test_split]):
@@ -291,6 +307,7 @@ def tokenized_splits(
       config,
       workdir.token_cache_file(sources['name'], split),
       dataset_name=sources['name'],
+      target_tokenizer=target_tokenizer,
     )
   return splits
 
