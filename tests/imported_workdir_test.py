@@ -12,11 +12,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import sentencepiece
+import tensorflow_datasets as tfds
 
 from transformer_jax import averaging, export_ctranslate2, imported_workdir, metrics, train_lib
 from transformer_jax.config import TransformerConfig
-from transformer_jax.data import number_words
-from transformer_jax.data.tokenizer import Tokenizer
+from transformer_jax.data import input_pipeline, number_words
+from transformer_jax.data.tokenizer import EOS_ID, Tokenizer
 from transformer_jax.errors import UserInputError
 from transformer_jax.inference import Translator
 from transformer_jax.models import Transformer
@@ -61,6 +62,18 @@ def pretrained(tmp_path_factory):
 
   params = jax.tree_util.tree_map_with_path(randomise_bias, params)
   return config, params, path.read_bytes()
+
+
+def _shuffled_scores(vocabulary: bytes) -> Tokenizer:
+  from sentencepiece import sentencepiece_model_pb2
+
+  proto = sentencepiece_model_pb2.ModelProto()
+  proto.ParseFromString(vocabulary)
+  normal = [p for p in proto.pieces if p.type == p.NORMAL]
+  scores = np.random.default_rng(0).permutation([p.score for p in normal])
+  for piece, score in zip(normal, scores):
+    piece.score = float(score)
+  return Tokenizer(proto.SerializeToString())
 
 
 def _write(pretrained, workdir, **kwargs):
@@ -121,7 +134,10 @@ def test_train_py_fine_tunes_the_imported_model_then_resumes(
   pretrained, data_dir, tmp_path, caplog
 ):
   workdir = tmp_path / 'fine-tuned'
-  _write(pretrained, workdir)
+  # A target side segmented by its own model over the same pieces (as OPUS-MT's target.spm):
+  # the vocabulary's piece scores shuffled, so that it cuts words elsewhere.
+  targets = _shuffled_scores(pretrained[2])
+  _write(pretrained, workdir, target_vocabulary=targets.model_bytes)
   config = tiny_config(data_dir)
   config.model.d_model = 48  # Not the imported model's: replaced by its 32 (logged).
   config.model.dropout_rate = 0.1  # A training field: the command line's.
@@ -142,6 +158,21 @@ def test_train_py_fine_tunes_the_imported_model_then_resumes(
   saved = Workdir(workdir).read_run_config()
   assert saved['imported_from'] == {'format': 'test'}
   assert (saved['model']['d_model'], saved['model']['dropout_rate']) == (32, 0.1)
+  # Training read its targets through the target model, its sources through the vocabulary.
+  source = tfds.data_source('number_words/tiny', data_dir=data_dir, try_gcs=False)['train']
+  (cache,) = Workdir(workdir).path.glob('token_cache/*-train.npz')
+  vocabulary = Tokenizer(pretrained[2])
+  with np.load(cache, allow_pickle=False) as arrays:
+    split = input_pipeline.TokenizedSplit(
+      {k: arrays[k] for k in input_pipeline.TokenizedSplit._FIELDS}
+    )
+  differ = 0
+  for index in range(20):
+    german, english = source[index]['de'].decode(), source[index]['en'].decode()
+    assert list(split[index]['targets']) == [*targets.encode(german), EOS_ID]
+    assert list(split[index]['inputs']) == [*vocabulary.encode(english), EOS_ID]
+    differ += targets.encode(german) != vocabulary.encode(german)
+  assert differ >= 5
   assert saved['config']['dataset'] == 'number_words/tiny'
   # Resuming follows the usual rules now: the same command goes on from step 40...
   caplog.clear()
