@@ -916,6 +916,11 @@ COMMAND_CASES = [
     id='benchmark: --json a directory',  # old: a traceback after the whole benchmark
   ),
   pytest.param(
+    ['-m', 'transformer_jax.evaluate', '--workdir=W', '--src=a', '--ref=b', '--beam_rule=marian'],
+    r'error: .*--beam_rule',
+    id='evaluate: an unknown beam rule',
+  ),
+  pytest.param(
     ['-m', 'transformer_jax.translate', '--workdir=W', '--beam_size=abc'],
     r'error: .*--beam_size',
     id='translate: a word for a number',  # old: "FATAL Flags parsing error", exit 1

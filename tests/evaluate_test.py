@@ -95,7 +95,7 @@ class _Echo:
   def __init__(self, table):
     self.table = table
 
-  def translate(self, sentences, beam_size, alpha, progress):
+  def translate(self, sentences, beam_size, alpha, beam_rule, progress):
     return [self.table[s] for s in sentences]
 
 

@@ -64,6 +64,14 @@ def test_default_hypotheses_files_are_named_by_every_decoding_option(tmp_path):
   workdir = Workdir(str(tmp_path))
   names = {workdir.hypotheses_file('data/test.en', None, 4, alpha).name for alpha in (0.6, 1.5)}
   assert names == {'test.en.default.beam4.alpha0.6.txt', 'test.en.default.beam4.alpha1.5.txt'}
+  rules = {
+    workdir.hypotheses_file('test.en', 7, 4, 0, rule).name for rule in ('exact', 'ctranslate2')
+  }
+  assert rules == {'test.en.7.beam4.alpha0.txt', 'test.en.7.beam4.ctranslate2.alpha0.txt'}
+  # Greedy search has no beam rule: one name whatever the flag.
+  assert (
+    workdir.hypotheses_file('test.en', 7, 1, 0, 'ctranslate2').name == 'test.en.7.beam1.alpha0.txt'
+  )
 
 
 def test_a_staged_folder_replaces_the_directory_whole_or_not_at_all(tmp_path):

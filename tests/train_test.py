@@ -186,6 +186,42 @@ def test_averaged_checkpoint_is_loaded_by_name_and_by_default(trained_workdir):
   assert result.returncode == 2 and 'error: --checkpoint must be' in result.stderr.decode()
 
 
+def test_evaluate_and_translate_search_as_ctranslate2_with_beam_rule(trained_workdir, tmp_path):
+  """--beam_rule=ctranslate2 reaches the search (Translator.translate's beam_rule) from both
+  commands, and evaluate names its default hypotheses file by it."""
+  from transformer_jax.data import number_words
+  from transformer_jax.inference import Translator
+
+  workdir, _ = trained_workdir
+  numbers = [7, 21, 342005, 1000001]
+  sources = [number_words.english_words(n) for n in numbers]
+  src, ref = tmp_path / 'test.en', tmp_path / 'test.de'
+  src.write_text(''.join(s + '\n' for s in sources))
+  ref.write_text(''.join(number_words.german_words(n) + '\n' for n in numbers))
+  expected = Translator.from_checkpoint(workdir).translate(
+    sources, beam_size=4, alpha=0.0, beam_rule='ctranslate2'
+  )
+  flags = ['--beam_rule=ctranslate2', '--alpha=0']
+  result = _run(
+    [
+      '-m',
+      'transformer_jax.evaluate',
+      f'--workdir={workdir}',
+      f'--src={src}',
+      f'--ref={ref}',
+      *flags,
+    ]
+  )
+  assert result.returncode == 0, result.stderr.decode()[-3000:]
+  written = os.path.join(workdir, 'hypotheses', 'test.en.default.beam4.ctranslate2.alpha0.txt')
+  assert open(written).read().splitlines() == expected
+  result = _run(
+    ['-m', 'transformer_jax.translate', f'--workdir={workdir}', *flags], stdin=src.read_bytes()
+  )
+  assert result.returncode == 0, result.stderr.decode()[-3000:]
+  assert result.stdout.decode().splitlines() == expected
+
+
 def test_evaluate_reports_exact_match_by_category_and_writes_hypotheses(trained_workdir, tmp_path):
   import sacrebleu
 

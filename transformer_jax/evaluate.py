@@ -2,7 +2,7 @@
 (where it means something) and chrF on detokenized output, with signatures:
 
     python -m transformer_jax.evaluate --workdir=DIR --src=test.en --ref=test.de \
-        [--beam_size=4 --alpha=0.6 --checkpoint=averaged --out=hypotheses.txt]
+        [--beam_size=4 --alpha=0.6 --beam_rule=exact --checkpoint=averaged --out=hypotheses.txt]
 
 Translates the source file, writes one hypothesis per line, and prints the scores with their
 signatures, so results are comparable with published ones.
@@ -33,6 +33,13 @@ def _define_flags():
   )
   flags.DEFINE_integer('beam_size', 4, 'Beam size; 1 = greedy.')
   flags.DEFINE_float('alpha', 0.6, 'Length penalty exponent.')
+  flags.DEFINE_enum(
+    'beam_rule',
+    'exact',
+    ['exact', 'ctranslate2'],
+    "How beam search ends hypotheses and stops: 'exact' (until no beam can beat the finished "
+    "ones) or 'ctranslate2' (CTranslate2's; with --alpha=0 its outputs exactly).",
+  )
   flags.DEFINE_integer('batch_size', 64, 'Sentences decoded together.')
   flags.mark_flags_as_required(['workdir', 'src', 'ref'])
 
@@ -48,6 +55,7 @@ def main(argv):
     beam_size=FLAGS.beam_size,
     alpha=FLAGS.alpha,
     batch_size=FLAGS.batch_size,
+    beam_rule=FLAGS.beam_rule,
   )
   print('\n'.join(metrics.report_lines(result)))
   print(

@@ -482,6 +482,7 @@ def translate_text(
   batch_size: int = 64,
   beam_size: int = 4,
   alpha: float = 0.6,
+  beam_rule: str = 'exact',
   input_path: str | None = None,
   output_path: str | None = None,
   stdin: IO[bytes] | None = None,
@@ -495,7 +496,7 @@ def translate_text(
   """
   stdin = stdin or sys.stdin.buffer
   stdout = stdout or sys.stdout
-  check_decoding_options(beam_size, alpha, batch_size)
+  check_decoding_options(beam_size, alpha, batch_size, beam_rule)
   if input_path is not None:
     text_io.check_readable_file(input_path, '--input')
   if output_path is not None:  # Before any work: translations with nowhere to go are lost.
@@ -504,7 +505,9 @@ def translate_text(
   if input_path is None and stdin.isatty():
     print('Type a sentence and press Enter (Ctrl-D to quit).', file=sys.stderr)
     for raw in stdin:
-      (translation,) = translator.translate([text_io.decode_line(raw)], beam_size, alpha)
+      (translation,) = translator.translate(
+        [text_io.decode_line(raw)], beam_size, alpha, beam_rule=beam_rule
+      )
       print(translation, file=stdout, flush=True)
     return
   if input_path is not None:
@@ -512,5 +515,7 @@ def translate_text(
       lines = [text_io.decode_line(raw) for raw in f]
   else:
     lines = [text_io.decode_line(raw) for raw in stdin]
-  translations = translator.translate(lines, beam_size=beam_size, alpha=alpha, progress=True)
+  translations = translator.translate(
+    lines, beam_size=beam_size, alpha=alpha, beam_rule=beam_rule, progress=True
+  )
   text_io.write_lines(translations, output_path, stdout)

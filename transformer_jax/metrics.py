@@ -109,6 +109,7 @@ def evaluate(
   alpha: float = 0.6,
   progress: bool = False,
   dataset: str | None = None,
+  beam_rule: str = 'exact',
 ) -> tuple[list[str], dict]:
   """(hypotheses, `score` of them plus 'seconds', 'sentences', 'exact_match', 'exact_matches',
   'bleu_reported' and, where the task defines categories, 'by_category' (see
@@ -123,7 +124,9 @@ def evaluate(
   if len(sources) != len(references):
     raise UserInputError(f'{len(sources)} source lines but {len(references)} reference lines')
   start = time.time()
-  hypotheses = translator.translate(sources, beam_size=beam_size, alpha=alpha, progress=progress)
+  hypotheses = translator.translate(
+    sources, beam_size=beam_size, alpha=alpha, beam_rule=beam_rule, progress=progress
+  )
   result = score(hypotheses, references)
   result['seconds'] = time.time() - start
   result['sentences'] = len(hypotheses)
@@ -146,11 +149,12 @@ def evaluate_files(
   beam_size: int = 4,
   alpha: float = 0.6,
   batch_size: int = 64,
+  beam_rule: str = 'exact',
 ) -> dict:
   """The `evaluate` command: translates `src`, scores it against `ref`, writes the hypotheses
   (to `out`, default in the workdir); returns `evaluate`'s dict plus 'hypotheses_file' (the
   file written)."""
-  check_decoding_options(beam_size, alpha, batch_size)
+  check_decoding_options(beam_size, alpha, batch_size, beam_rule)
   sources, references = text_io.read_lines(src, '--src'), text_io.read_lines(ref, '--ref')
   if len(sources) != len(references):
     raise UserInputError(f'{src} has {len(sources)} lines but {ref} has {len(references)}')
@@ -158,7 +162,7 @@ def evaluate_files(
   if out:
     text_io.check_writable_output(out, '--out')
   else:
-    out = Workdir(workdir).hypotheses_file(src, checkpoint, beam_size, alpha)
+    out = Workdir(workdir).hypotheses_file(src, checkpoint, beam_size, alpha, beam_rule)
     text_io.check_writable_output(out, '--out', make_folders=True)
   translator = Translator.from_checkpoint(workdir, checkpoint, batch_size)
   saved = Workdir(workdir).read_run_config_if_present() or {}
@@ -171,6 +175,7 @@ def evaluate_files(
     alpha=alpha,
     progress=True,
     dataset=dataset if isinstance(dataset, str) else None,
+    beam_rule=beam_rule,
   )
   text_io.write_lines(hypotheses, out, flag='--out')
   return dict(result, hypotheses_file=out)

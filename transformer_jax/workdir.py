@@ -113,11 +113,18 @@ class Workdir:
     return self.path / _TOKEN_CACHE / f'{dataset_name.replace("/", "_")}-{split}.npz'
 
   def hypotheses_file(
-    self, source_path: str, checkpoint: object, beam_size: int, alpha: float
+    self,
+    source_path: str,
+    checkpoint: object,
+    beam_size: int,
+    alpha: float,
+    beam_rule: str = 'exact',
   ) -> epath.Path:
     """Named by every decoding option, so a sweep over them keeps each run's output."""
+    rule = '' if beam_rule == 'exact' or beam_size == 1 else f'.{beam_rule}'
     name = (
-      f'{epath.Path(source_path).name}.{checkpoint or "default"}.beam{beam_size}.alpha{alpha:g}.txt'
+      f'{epath.Path(source_path).name}.{checkpoint or "default"}.beam{beam_size}{rule}'
+      f'.alpha{alpha:g}.txt'
     )
     return self.path / _HYPOTHESES / name
 
