@@ -98,6 +98,19 @@ def _parse_plain(argv: list[str]) -> list[str]:
   return _help_exits_zero(_parse_or_exit_2, argv)
 
 
+def define_beam_rule_flag() -> None:
+  """--beam_rule, for the commands that decode (translate, evaluate): decode.BEAM_RULES."""
+  from transformer_jax import decode  # jax: only for the commands that decode.
+
+  absl_flags.DEFINE_enum(
+    'beam_rule',
+    'exact',
+    list(decode.BEAM_RULES),
+    "How beam search ends hypotheses and stops: 'exact' (until no beam can beat the finished "
+    "ones) or 'ctranslate2' (CTranslate2's; with --alpha=0 its outputs exactly).",
+  )
+
+
 def define_config_flag(default: str, help_text: str, lock_config: bool = True) -> None:
   """`--config=FILE` (`get_config()` returning a ConfigDict) with `--config.field=value`.
 

@@ -33,13 +33,7 @@ def _define_flags():
   )
   flags.DEFINE_integer('beam_size', 4, 'Beam size; 1 = greedy.')
   flags.DEFINE_float('alpha', 0.6, 'Length penalty exponent.')
-  flags.DEFINE_enum(
-    'beam_rule',
-    'exact',
-    ['exact', 'ctranslate2'],
-    "How beam search ends hypotheses and stops: 'exact' (until no beam can beat the finished "
-    "ones) or 'ctranslate2' (CTranslate2's; with --alpha=0 its outputs exactly).",
-  )
+  cli.define_beam_rule_flag()
   flags.DEFINE_integer('batch_size', 64, 'Sentences decoded together.')
   flags.mark_flags_as_required(['workdir', 'src', 'ref'])
 

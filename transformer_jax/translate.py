@@ -25,13 +25,7 @@ def _define_flags():
   flags.DEFINE_integer('batch_size', 64, 'Sentences decoded together.')
   flags.DEFINE_integer('beam_size', 4, 'Beam size; 1 = greedy (the paper: 4).')
   flags.DEFINE_float('alpha', 0.6, 'Length penalty exponent ((5+len)/6)^alpha (the paper: 0.6).')
-  flags.DEFINE_enum(
-    'beam_rule',
-    'exact',
-    ['exact', 'ctranslate2'],
-    "How beam search ends hypotheses and stops: 'exact' (until no beam can beat the finished "
-    "ones) or 'ctranslate2' (CTranslate2's; with --alpha=0 its outputs exactly).",
-  )
+  cli.define_beam_rule_flag()
   flags.DEFINE_string('input', None, 'Read sentences from this file instead of stdin.')
   flags.DEFINE_string('output', None, 'Write translations to this file instead of stdout.')
   flags.mark_flags_as_required(['workdir'])
