@@ -4,16 +4,17 @@ Any config field can be overridden, e.g. `--config.num_train_steps=100`. Rerunni
 command resumes from the workdir's latest checkpoint. Exit status: 0 done (or stopped by
 SIGTERM/SIGINT with a checkpoint saved), 2 a mistake in the config, flags or data, 3 the loss
 stayed NaN/Inf, 130 (143 for SIGTERM) stopped during start-up, before the first step (see
-transformer_jax/errors.py).
+transformer_jax/common/errors.py).
 """
 
 from absl import flags
 
-from transformer_jax import cli, host_memory, sharding, train_lib
+from transformer_jax import cli
 from transformer_jax.configs import default_config_file
+from transformer_jax.training import host_memory, loop, sharding
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string('workdir', None, 'Directory for checkpoints, vocabulary, config and logs.')
+cli.define_workdir_flag('Directory for checkpoints, vocabulary, config and logs.')
 cli.define_config_flag(
   default_config_file(),
   'Training config file, default configs/default.py, which comments every field. Override any '
@@ -46,7 +47,7 @@ def main(argv):
   sharding.initialize_distributed(
     FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id, force=FLAGS.jax_distributed
   )
-  train_lib.train_and_evaluate(config, FLAGS.workdir)
+  loop.train_and_evaluate(config, FLAGS.workdir)
 
 
 if __name__ == '__main__':

@@ -15,7 +15,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python}
-BENCH_JSON=${BENCH_JSON:-bench/accelerator-$(date +%F).json}
+BENCH_JSON=${BENCH_JSON:-bench/results/accelerator-$(date +%F).json}
 failed=()
 
 step() { printf '\n=== %s (%dm%02ds elapsed)\n' "$1" $((SECONDS / 60)) $((SECONDS % 60)); }
@@ -40,7 +40,7 @@ import sys
 
 import jax
 
-from transformer_jax import host_memory
+from transformer_jax.training import host_memory
 
 devices = jax.devices()
 expected = host_memory.expected_accelerator()
@@ -120,8 +120,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer_jax.config import TransformerConfig
-from transformer_jax.models import Transformer
+from transformer_jax.model.config import TransformerConfig
+from transformer_jax.model.transformer import Transformer
 
 impl = sys.argv[1]  # 'cudnn'; 'xla' runs the same comparison on any backend.
 cfg = TransformerConfig(

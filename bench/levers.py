@@ -37,10 +37,13 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
-from transformer_jax import host_memory, matmul, models, train_lib  # noqa: E402
 from transformer_jax.benchmark import flops as flop_count  # noqa: E402
 from transformer_jax.benchmark import training  # noqa: E402
 from transformer_jax.configs import default  # noqa: E402
+from transformer_jax.model import matmul, transformer
+from transformer_jax.training import host_memory  # noqa: E402
+from transformer_jax.training import step as training_step  # noqa: E402
+from transformer_jax.training.trainer import Trainer
 
 flags.DEFINE_string('size', 'small', 'tiny, small or base (see transformer_jax.benchmark)')
 flags.DEFINE_list(
@@ -133,11 +136,11 @@ def _fused_qkv_attention(original):
     kernel = jnp.concatenate(kernels, axis=-1).astype(dtype)  # [m, h, 2 d_k + d_v]
     qkv = jnp.einsum('btm,mhd->bthd', query_inputs.astype(dtype), kernel)
     query, key, value = jnp.split(qkv, [cfg.head_qk_dim, 2 * cfg.head_qk_dim], axis=-1)
-    weights = models.dot_product_attention_weights(query, key, mask)  # [b, h, q, k]
+    weights = transformer.dot_product_attention_weights(query, key, mask)  # [b, h, q, k]
     if cfg.attention_dropout_rate > 0.0 and not deterministic:
       weights = nn.Dropout(cfg.attention_dropout_rate)(weights, deterministic=False)
     heads = jnp.einsum('bhqk,bkhd->bqhd', weights.astype(dtype), value)
-    return models.Projection(
+    return transformer.Projection(
       (cfg.d_model,), 2, ('heads', 'kv', 'embed'), dtype, use_bias=False, name='out'
     )(heads)
 
@@ -156,8 +159,8 @@ def _traced_config(variant):
 def _patched(variant):
   saved = (
     flax_stochastic.random.bernoulli,
-    train_lib.label_smoothed_cross_entropy,
-    models.MultiHeadAttention.__call__,
+    training_step.label_smoothed_cross_entropy,
+    transformer.MultiHeadAttention.__call__,
     matmul.row_major_kernel_grads,
   )
   try:
@@ -166,9 +169,9 @@ def _patched(variant):
     elif variant == 'rbg_dropout':
       flax_stochastic.random.bernoulli = _bernoulli_rbg
     elif variant == 'onehot_loss':
-      train_lib.label_smoothed_cross_entropy = _onehot_loss
+      training_step.label_smoothed_cross_entropy = _onehot_loss
     elif variant == 'fused_qkv':
-      models.MultiHeadAttention.__call__ = _fused_qkv_attention(saved[2])
+      transformer.MultiHeadAttention.__call__ = _fused_qkv_attention(saved[2])
     elif variant == 'autodiff_kernel_grads':
       matmul.row_major_kernel_grads = lambda: False
     with _traced_config(variant):
@@ -176,8 +179,8 @@ def _patched(variant):
   finally:
     (
       flax_stochastic.random.bernoulli,
-      train_lib.label_smoothed_cross_entropy,
-      models.MultiHeadAttention.__call__,
+      training_step.label_smoothed_cross_entropy,
+      transformer.MultiHeadAttention.__call__,
       matmul.row_major_kernel_grads,
     ) = saved
 
@@ -211,7 +214,7 @@ def main(argv):
       spec, model_config=spec.model_config.replace(**_CONFIG_CHANGES[variant])
     )
     with _patched(variant):  # Patches matter while tracing, i.e. during the first step.
-      trainer = train_lib.Trainer(variant_spec.config, variant_spec.model_config)
+      trainer = Trainer(variant_spec.config, variant_spec.model_config)
       state = trainer.init_state(0)
       start = time.perf_counter()
       state, metrics = trainer.step(state, batches[0])

@@ -6,9 +6,10 @@
 The workdir's model must have Marian's architecture (attention_bias, swish/relu/gelu FFN,
 sinusoid_layout=concatenated, logits_bias, layer_norm_epsilon 1e-6) and zero PAD and BOS
 embedding rows: Marian has no PAD and starts decoding from a zero vector where ours embeds BOS
-(tests/marian_npz.py, `marian_arrays_from_params`); bench/train_marian_start.py trains such a
-model (train.py with those rows held at zero). Steps, each timed:
-  1. `marian_npz.write_marian_model_from_workdir` -> OUT/marian (npz, vocab .yml, source.spm,
+(transformer_jax/testing/marian_export.py, `marian_arrays_from_params`);
+bench/train_marian_start.py trains such a model (train.py with those rows held at zero).
+Steps, each timed:
+  1. `marian_export.write_marian_model_from_workdir` -> OUT/marian (npz, vocab .yml, source.spm,
      target.spm, decoder.yml);
   2. `python -m transformer_jax.import_marian --model=OUT/marian --workdir=OUT/imported`;
      the imported parameters against the workdir's, leaf by leaf;
@@ -17,7 +18,7 @@ model (train.py with those rows held at zero). Steps, each timed:
   4. CTranslate2's MarianConverter on the .npz, Marian-exact (Marian's sinusoids and layer-norm
      epsilon, as tests/import_marian_test.py) and stock: the largest difference of the
      references' teacher-forced log-probs (first --scored pairs) from the imported model's, and
-     greedy (and beam) agreement with it, decoded alike (`export_ctranslate2.translate`).
+     greedy (and beam) agreement with it, decoded alike (`ctranslate2_runtime.translate`).
 Prints one line per number and writes OUT/results.json. A few minutes on 2 CPU cores for the
 1,000 Multi30k test sentences and a 7.6M-parameter model.
 """
@@ -33,7 +34,6 @@ import time
 from absl import app, flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, 'tests'))
 DATA = os.path.join(REPO, '..', 'shared', 'data', 'multi30k')
 
 FLAGS = flags.FLAGS
@@ -103,12 +103,15 @@ def equal_count(a, b):
 def main(argv):
   del argv
   import ctranslate2
-  import marian_npz
-  import marian_npz_check
   import numpy as np
   import sentencepiece
 
-  from transformer_jax import cli, export_ctranslate2, inference, metrics, text_io
+  from transformer_jax import cli
+  from transformer_jax.common import text_io
+  from transformer_jax.evaluation import metrics
+  from transformer_jax.exporters import ctranslate2_runtime
+  from transformer_jax.inference.translator import Translator
+  from transformer_jax.testing import marian_export, marian_npz_check
 
   out = os.path.abspath(FLAGS.out)
   os.makedirs(out, exist_ok=True)
@@ -122,8 +125,8 @@ def main(argv):
 
   with timer('1. write the Marian folder'):
     checkpoint = cli.checkpoint_flag_value(FLAGS.checkpoint)
-    trained = inference.Translator.from_checkpoint(FLAGS.workdir, checkpoint)
-    files = marian_npz.write_marian_model_from_params(
+    trained = Translator.from_checkpoint(FLAGS.workdir, checkpoint)
+    files = marian_export.write_marian_model_from_params(
       marian_dir, trained.params, trained.model_config, trained.tokenizer.model_bytes
     )
   results['marian_files'] = sorted(os.listdir(marian_dir))
@@ -142,7 +145,7 @@ def main(argv):
     if os.path.exists(imported):
       command.append('--force')
     subprocess.run(command, check=True, cwd=REPO)
-    back = inference.Translator.from_checkpoint(imported)
+    back = Translator.from_checkpoint(imported)
   ours, theirs = leaves(trained.params), leaves(back.params)
   differing = sorted(k for k in ours if not np.array_equal(ours[k], theirs[k]))
   results['parameters_differing'] = differing
@@ -192,7 +195,7 @@ def main(argv):
       translator = ctranslate2.Translator(model, device='cpu', intra_threads=2)
 
     def run(**options):
-      return export_ctranslate2.translate(
+      return ctranslate2_runtime.translate(
         translator, processor, sources, max_len=max_len, **options
       )
 

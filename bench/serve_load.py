@@ -1,6 +1,7 @@
 """Load on the translation server: throughput and latency with 1, 8 and 64 concurrent clients.
 
-    python bench/serve_load.py --workdir=runs/multi30k-700 --json=bench/serve-load-2026-12-01.json
+    python bench/serve_load.py --workdir=runs/multi30k-700 \
+        --json=bench/results/serve-load-2026-12-01.json
 
 For each engine (`--engines`, default jax and ctranslate2), starts `python -m
 transformer_jax.serve` on 127.0.0.1 (a free port) with the server's defaults, sends it the same
@@ -41,7 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags  # noqa: E402
 
 from transformer_jax.data.tokenizer import Tokenizer  # noqa: E402
-from transformer_jax.workdir import Workdir  # noqa: E402
+from transformer_jax.workdir.layout import Workdir  # noqa: E402
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -1,6 +1,16 @@
-"""The package's layout as rules read from its import graph: libraries never import commands,
-only commands and `cli` touch flags, one module imports orbax, search never imports the model,
-batching never imports JAX, and the workdir's on-disk names live in `workdir.py` alone."""
+"""The package's layout as rules read from its import graph (docs/layout.md draws it):
+
+- the top level holds the commands (`python -m transformer_jax.X`), `cli` (their shared flags)
+  and one subpackage per concern; libraries never import commands, only commands and `cli`
+  touch flags, and commands are thin;
+- arrows between subpackages that must never exist (`NEVER`), and no cycle among them;
+- one module imports orbax, batching never imports JAX, the StableHLO runner runs without us;
+- the workdir's on-disk names live in `workdir/layout.py` alone; no module outgrows 600 lines;
+- bench/ scripts never reach into tests/.
+
+Each rule is a function over (module, what it imports) and is shown to fail on a planted
+violation.
+"""
 
 import ast
 import os
@@ -27,6 +37,26 @@ COMMANDS = {
 }
 # Modules allowed to define or parse flags besides the commands.
 FLAG_MODULES = {'transformer_jax.cli'}
+# By-hand checks that run as main but are no commands of the tool (testing/ utilities).
+BY_HAND_CHECKS = {'transformer_jax.testing.marian_npz_check'}
+# One folder per concern (docs/layout.md); beside them the top level holds only the commands,
+# `cli` and the package's face.
+SUBPACKAGES = {
+  'benchmark',  # the benchmark command's package
+  'checkpoints',
+  'common',
+  'data',
+  'evaluation',
+  'exporters',
+  'importers',
+  'inference',
+  'model',
+  'search',
+  'serving',
+  'testing',
+  'training',
+  'workdir',
+}
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -63,7 +93,7 @@ def _is_command(path: pathlib.Path) -> bool:
 
 
 def test_the_commands_are_the_modules_that_run_as_main():
-  assert {name for name, path in MODULES.items() if _is_command(path)} == COMMANDS
+  assert {name for name, path in MODULES.items() if _is_command(path)} - BY_HAND_CHECKS == COMMANDS
 
 
 @pytest.mark.parametrize('name', sorted(set(MODULES) - COMMANDS))
@@ -93,20 +123,16 @@ def test_a_command_is_a_thin_shell(name):
   assert statements <= 8, f'{name}: main has {statements} statements'
 
 
-def test_only_checkpointing_imports_orbax():
+def test_only_the_checkpointer_imports_orbax():
   importers = {
     name
     for name, path in MODULES.items()
     if any(i.split('.')[0] == 'orbax' for i in _imports(path))
   }
-  assert importers == {'transformer_jax.checkpointing'}
+  assert importers == {'transformer_jax.checkpoints.checkpointer'}
 
 
-def test_search_never_imports_the_model_and_batching_never_imports_jax():
-  # decode.py and its candidate selection import nothing else of the package.
-  search = {'transformer_jax.decode', 'transformer_jax.beam_candidates'}
-  for name in search:
-    assert {i for i in _imports(MODULES[name]) if i.startswith('transformer_jax')} <= search
+def test_batching_never_imports_jax():
   batching_imports = _imports(MODULES['transformer_jax.data.batching'])
   assert not {i for i in batching_imports if i.split('.')[0] in ('jax', 'flax')}
 
@@ -114,12 +140,13 @@ def test_search_never_imports_the_model_and_batching_never_imports_jax():
 def test_the_stablehlo_runner_needs_only_jax_numpy_and_sentencepiece():
   # It is copied into exported directories and run where transformer_jax is not installed.
   allowed = {'__future__', 'jax', 'numpy', 'sentencepiece'} | set(sys.stdlib_module_names)
-  imported = {i.split('.')[0] for i in _imports(MODULES['transformer_jax.stablehlo_runner'])}
+  runner = MODULES['transformer_jax.exporters.stablehlo_runner']
+  imported = {i.split('.')[0] for i in _imports(runner)}
   assert imported <= allowed, imported - allowed
 
 
-# The workdir's on-disk names, as string literals: each must appear in workdir.py and nowhere
-# else in the package (tests, docs and configs may name them).
+# The workdir's on-disk names, as string literals: each must appear in workdir/layout.py and
+# nowhere else in the package (tests, testing/, docs and configs may name them).
 WORKDIR_NAMES = (
   'config.json',
   'vocab.model',
@@ -153,8 +180,8 @@ def _string_literals(path: pathlib.Path) -> set[str]:
 
 
 # `--checkpoint=averaged` names a choice of parameters, not a path: parsed in cli, resolved to
-# the workdir's path in inference.
-_ALSO_A_FLAG_VALUE = {'averaged': {'transformer_jax.cli', 'transformer_jax.inference'}}
+# the workdir's path in checkpoints.served.
+_ALSO_A_FLAG_VALUE = {'averaged': {'transformer_jax.cli', 'transformer_jax.checkpoints.served'}}
 
 
 @pytest.mark.parametrize('name', WORKDIR_NAMES)
@@ -166,7 +193,8 @@ def test_each_workdir_name_lives_in_workdir_py_alone(name):
       re.search(rf'(^|[/.]){re.escape(name)}($|[/])', literal) for literal in _string_literals(path)
     )
   }
-  assert owners - _ALSO_A_FLAG_VALUE.get(name, set()) == {'transformer_jax.workdir'}, owners
+  owners = {module for module in owners if _unit(module) != 'testing'}  # Test utilities may.
+  assert owners - _ALSO_A_FLAG_VALUE.get(name, set()) == {'transformer_jax.workdir.layout'}, owners
 
 
 def test_no_module_outgrows_one_concern():
@@ -181,3 +209,214 @@ def test_configs_are_not_a_top_level_package():
     pyproject = f.read()
   assert '"transformer_jax.configs" = "configs"' in pyproject
   assert re.search(r'packages = \[[^\]]*"configs"', pyproject) is None
+
+
+# ---- The layout: subpackages by concern, and the arrows between them ----
+
+
+def _unit(module: str) -> str | None:
+  """The subpackage (or top-level module) a module of the package belongs to; None outside."""
+  parts = module.split('.')
+  if parts[0] != 'transformer_jax':
+    return None
+  return parts[1] if len(parts) > 1 else 'transformer_jax'
+
+
+def test_the_top_level_holds_commands_cli_and_one_folder_per_concern():
+  top = {path.name for path in PACKAGE.iterdir() if not path.name.startswith(('.', '__pycache__'))}
+  folders = {name for name in top if (PACKAGE / name).is_dir()}
+  files = {name for name in top if name.endswith('.py')}
+  assert folders == SUBPACKAGES, folders ^ SUBPACKAGES
+  commands = {f'{name.split(".")[-1]}.py' for name in COMMANDS if name.count('.') == 1}
+  assert files == commands | {'__init__.py', 'cli.py'}, files - commands
+  for folder in SUBPACKAGES:  # Each with a face (docstring, and what it exports).
+    face = PACKAGE / folder / '__init__.py'
+    assert face.exists() and ast.get_docstring(ast.parse(face.read_text())), folder
+
+
+# Arrows that must never exist (issue 25). ONLY: a subpackage that may import nothing of the
+# package but these (not the top level either); NEVER: subpackages another must never import.
+ONLY = {'common': set(), 'model': {'common'}, 'search': set()}
+NEVER = {
+  'data': {'model', 'training', 'inference'},
+  'training': {'importers', 'exporters', 'serving'},
+  'inference': {'training', 'serving'},
+  'exporters': {'training'},
+}
+# No library imports the test utilities or the benchmark's command package.
+_TEST_AND_BENCH_ONLY = {'testing', 'benchmark'}
+
+
+def arrow_violations(module: str, imported: set[str]) -> list[str]:
+  """The rules above that `module` (a dotted name in the package) breaks by importing
+  `imported`."""
+  source = _unit(module)
+  wrong = []
+  for name in sorted(imported):
+    target = _unit(name)
+    if target is None or target == source:
+      continue
+    if source in ONLY and target not in ONLY[source]:
+      allowed = ', '.join(sorted(ONLY[source])) or 'nothing'
+      wrong.append(f'{module} imports {name} ({source}/ may import {allowed} of the package)')
+    if target in NEVER.get(source, ()):
+      wrong.append(f'{module} imports {name} ({source}/ must never import {target}/)')
+    if target in _TEST_AND_BENCH_ONLY and source not in _TEST_AND_BENCH_ONLY:
+      wrong.append(f'{module} imports {name} ({target}/ is for tests and bench/ only)')
+  return wrong
+
+
+@pytest.mark.parametrize('name', sorted(MODULES))
+def test_no_arrow_that_must_never_exist(name):
+  assert not arrow_violations(name, _imports(MODULES[name]))
+
+
+@pytest.mark.parametrize(
+  'module, imported',
+  [
+    ('transformer_jax.common.progress', 'transformer_jax.training.metric_writers'),
+    ('transformer_jax.common.paths', 'transformer_jax.model.config'),
+    ('transformer_jax.model.transformer', 'transformer_jax.workdir.layout'),
+    ('transformer_jax.model.config', 'transformer_jax'),
+    ('transformer_jax.search.decode', 'transformer_jax.model.transformer'),
+    ('transformer_jax.search.decode', 'transformer_jax.common.errors'),
+    ('transformer_jax.data.input_pipeline', 'transformer_jax.model.config'),
+    ('transformer_jax.data.tokenizer', 'transformer_jax.training.metric_writers'),
+    ('transformer_jax.data.staging', 'transformer_jax.inference.translator'),
+    ('transformer_jax.training.run_config', 'transformer_jax.importers.workdir_writer'),
+    ('transformer_jax.training.loop', 'transformer_jax.exporters.ctranslate2_spec'),
+    ('transformer_jax.training.trainer', 'transformer_jax.serving.app'),
+    ('transformer_jax.inference.translator', 'transformer_jax.training.trainer'),
+    ('transformer_jax.inference.decoding', 'transformer_jax.serving.batcher'),
+    ('transformer_jax.exporters.stablehlo', 'transformer_jax.training.step'),
+    ('transformer_jax.serving.app', 'transformer_jax.testing.marian_npz'),
+  ],
+)
+def test_each_never_arrow_can_fail(module, imported):
+  assert arrow_violations(module, {imported}), (module, imported)
+
+
+def subpackage_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+  """A cycle among subpackages (as a path a -> b -> ... -> a), or None."""
+  state = {}
+
+  def visit(node, path):
+    state[node] = 'open'
+    for nxt in sorted(graph.get(node, ())):
+      if state.get(nxt) == 'open':
+        return path[path.index(nxt) :] + [nxt] if nxt in path else [node, nxt]
+      if nxt not in state:
+        found = visit(nxt, path + [nxt])
+        if found:
+          return found
+    state[node] = 'done'
+    return None
+
+  for node in sorted(graph):
+    if node not in state:
+      found = visit(node, [node])
+      if found:
+        return found
+  return None
+
+
+def _subpackage_graph() -> dict[str, set[str]]:
+  graph = {}
+  for name, path in MODULES.items():
+    source = _unit(name)
+    if source not in SUBPACKAGES:
+      continue
+    for imported in _imports(path):
+      target = _unit(imported)
+      if target in SUBPACKAGES and target != source:
+        graph.setdefault(source, set()).add(target)
+  return graph
+
+
+def test_the_subpackages_import_each_other_without_a_cycle():
+  # Python needs the modules acyclic; the folders acyclic too keep each one's face importable
+  # first, and say which concern builds on which (docs/layout.md lists the layers).
+  assert subpackage_cycle(_subpackage_graph()) is None
+
+
+def test_the_cycle_check_can_fail():
+  graph = _subpackage_graph()
+  graph.setdefault('workdir', set()).add('checkpoints')  # checkpoints imports workdir already.
+  assert subpackage_cycle(graph) in (
+    ['checkpoints', 'workdir', 'checkpoints'],
+    ['workdir', 'checkpoints', 'workdir'],
+  )
+
+
+BENCH = pathlib.Path(REPO_ROOT) / 'bench'
+TESTS = pathlib.Path(REPO_ROOT) / 'tests'
+
+
+def bench_reaches_into_tests(source: str) -> list[str]:
+  """How a bench/ script's source reaches into tests/: a sys.path entry naming it, or an
+  import of one of its modules (conftest, a *_test, helpers)."""
+  test_modules = {path.stem for path in TESTS.glob('*.py')} | {'helpers'}
+  found = []
+  for node in ast.walk(ast.parse(source)):
+    if isinstance(node, ast.Import):
+      names = [alias.name for alias in node.names]
+    elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+      names = [node.module]
+    else:
+      names = []
+    found += [f'imports {n}' for n in names if n.split('.')[0] in test_modules]
+    if isinstance(node, ast.Constant) and node.value == 'tests':
+      found.append("names the folder 'tests'")
+  return found
+
+
+@pytest.mark.parametrize('script', sorted(p.name for p in BENCH.glob('*.py')))
+def test_bench_never_imports_tests(script):
+  assert not bench_reaches_into_tests((BENCH / script).read_text())
+
+
+def test_the_bench_check_can_fail():
+  planted = (
+    "import os, sys\nsys.path.insert(0, os.path.join(REPO, 'tests'))\nimport conftest\n"
+    'from helpers import gcs_emulator\n'
+  )
+  assert sorted(bench_reaches_into_tests(planted)) == [
+    'imports conftest',
+    'imports helpers',
+    "names the folder 'tests'",
+  ]
+
+
+def face_shadows(face_source: str, package: str, submodules: set[str]) -> list[str]:
+  """Names a package's `__init__` binds that are also its submodules: `from package import
+  name` would then give the face's object, not the module (`common.log`, the function, once
+  hid `common/log.py`)."""
+  bound = set()
+  for node in ast.parse(face_source).body:
+    if isinstance(node, ast.ImportFrom) and node.module != package:
+      bound.update(alias.asname or alias.name for alias in node.names)
+    elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+      bound.add(node.name)
+    elif isinstance(node, ast.Assign):
+      bound.update(t.id for t in node.targets if isinstance(t, ast.Name))
+  return sorted(bound & submodules)
+
+
+@pytest.mark.parametrize('folder', sorted(SUBPACKAGES))
+def test_no_face_hides_a_module_of_its_package(folder):
+  submodules = {path.stem for path in (PACKAGE / folder).glob('*.py')} - {'__init__'}
+  face = (PACKAGE / folder / '__init__.py').read_text()
+  assert not face_shadows(face, f'transformer_jax.{folder}', submodules)
+
+
+def test_the_shadow_check_can_fail():
+  planted = 'from transformer_jax.common.log import log\n'
+  assert face_shadows(planted, 'transformer_jax.common', {'log', 'paths'}) == ['log']
+
+
+def test_every_subpackage_is_installed():
+  # pyproject.toml lists the packages a wheel holds: a folder missing there installs nowhere.
+  with open(os.path.join(REPO_ROOT, 'pyproject.toml')) as f:
+    listed = re.search(r'packages = \[([^\]]*)\]', f.read()).group(1)
+  installed = set(re.findall(r'"transformer_jax\.(\w+)"', listed))
+  assert installed == SUBPACKAGES | {'configs'}, installed ^ (SUBPACKAGES | {'configs'})

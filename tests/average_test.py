@@ -15,11 +15,15 @@ import optax
 import pytest
 from flax.training import train_state
 
-from transformer_jax import averaging
-from transformer_jax.averaging import average_checkpoints
-from transformer_jax.checkpointing import Checkpointer, read_metadata, restore_params_from
-from transformer_jax.errors import UserInputError
-from transformer_jax.workdir import Workdir
+from transformer_jax.checkpoints import averaging
+from transformer_jax.checkpoints.averaging import average_checkpoints
+from transformer_jax.checkpoints.checkpointer import (
+  Checkpointer,
+  read_metadata,
+  restore_params_from,
+)
+from transformer_jax.common.errors import UserInputError
+from transformer_jax.workdir.layout import Workdir
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -225,12 +229,12 @@ def test_checkpoints_being_written_or_deleted_are_skipped_and_named(tmp_path, ca
 def test_a_checkpoint_pruned_while_it_is_read_is_replaced_by_the_newest_unused(
   tmp_path, monkeypatch, caplog
 ):
-  from transformer_jax import checkpointing
+  from transformer_jax.checkpoints import checkpointer
 
   workdir = str(tmp_path)
   written = _write_workdir(workdir, [1, 2, 3, 4])
   checkpoint_dir = os.path.join(workdir, 'checkpoints')
-  read_metadata_of = checkpointing._tree_metadata
+  read_metadata_of = checkpointer._tree_metadata
   pruned = threading.Event()
 
   def prune_step_3_midway(item_dir):
@@ -243,7 +247,7 @@ def test_a_checkpoint_pruned_while_it_is_read_is_replaced_by_the_newest_unused(
       threading.Timer(0.3, shutil.rmtree, [os.path.join(checkpoint_dir, '3')]).start()  # ...
     return metadata
 
-  monkeypatch.setattr(checkpointing, '_tree_metadata', prune_step_3_midway)
+  monkeypatch.setattr(checkpointer, '_tree_metadata', prune_step_3_midway)
   with caplog.at_level(logging.WARNING):
     result = average_checkpoints(workdir, last=2)
   assert pruned.is_set()
@@ -259,10 +263,10 @@ def test_a_checkpoint_pruned_while_it_is_read_is_replaced_by_the_newest_unused(
 
 
 def test_a_damaged_checkpoint_that_stays_is_still_an_error(tmp_path, monkeypatch):
-  from transformer_jax import checkpointing
-  from transformer_jax.errors import CorruptCheckpointError
+  from transformer_jax.checkpoints import checkpointer
+  from transformer_jax.common.errors import CorruptCheckpointError
 
-  monkeypatch.setattr(checkpointing, '_PRUNE_SECONDS', 0.3)
+  monkeypatch.setattr(checkpointer, '_PRUNE_SECONDS', 0.3)
   workdir = str(tmp_path)
   _write_workdir(workdir, [1, 2])
   shutil.rmtree(os.path.join(workdir, 'checkpoints', '2', 'state', 'd'))  # and nobody deletes it
@@ -277,7 +281,7 @@ import sys
 import numpy as np
 sys.path.insert(0, sys.argv[2])
 from average_test import _params, _state
-from transformer_jax.checkpointing import Checkpointer
+from transformer_jax.checkpoints.checkpointer import Checkpointer
 with Checkpointer(sys.argv[1], keep=2) as checkpointer:  # Saves in the background, prunes.
   for step in range(1, 100000):
     checkpointer.save(step, _state(_params(2.0 * step - 1.0, np.zeros((3, 4), np.float32)), step))

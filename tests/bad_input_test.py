@@ -5,7 +5,7 @@ into `error: <message>` and exit status 2. The tables:
 
 * CASES: the library and the Python API, in-process (fast);
 * FIELD_CASES: config fields, each refused before any data is prepared or anything written;
-* API_CASES: Python API mistakes of inference.py and metrics.py;
+* API_CASES: Python API mistakes of inference/ and evaluation/;
 * COMMAND_CASES: every command run as a user runs it (a subprocess each, so few): exit status
   2, one `error:` line, no traceback, nothing written.
 """
@@ -20,17 +20,21 @@ import sys
 import numpy as np
 import pytest
 
-from transformer_jax import attention_plots, decode, metrics, train_lib
-from transformer_jax.averaging import average_checkpoints
 from transformer_jax.benchmark import runner as benchmark_runner
+from transformer_jax.checkpoints.averaging import average_checkpoints
 from transformer_jax.cli import checkpoint_flag_value
-from transformer_jax.config import TransformerConfig
+from transformer_jax.common.errors import UserInputError
+from transformer_jax.common.text_io import read_lines
 from transformer_jax.configs import default
 from transformer_jax.data import input_pipeline, text_dataset, tfds_prepare
 from transformer_jax.data.tokenizer import Tokenizer
-from transformer_jax.errors import UserInputError
-from transformer_jax.inference import Translator, check_decoding_options, translate_text
-from transformer_jax.text_io import read_lines
+from transformer_jax.evaluation import test_set
+from transformer_jax.inference import attention_plots
+from transformer_jax.inference.text_files import translate_text
+from transformer_jax.inference.translator import Translator, check_decoding_options
+from transformer_jax.model.config import TransformerConfig
+from transformer_jax.search import decode
+from transformer_jax.training import loop
 
 from conftest import REPO_ROOT, random_weight_translator, tiny_config
 
@@ -53,7 +57,7 @@ def _prepare(tmp, src: bytes, tgt: bytes):
 
 
 def _train(tmp, data_dir, **changes):
-  train_lib.train_and_evaluate(_changed(tiny_config(data_dir), changes), str(tmp / 'workdir'))
+  loop.train_and_evaluate(_changed(tiny_config(data_dir), changes), str(tmp / 'workdir'))
 
 
 def _translator_workdir(tmp, config_json: bytes | None = b'{}', vocab: bytes | None = None):
@@ -293,9 +297,7 @@ CASES = [
   ),
   (
     'workdir is a file',
-    lambda t, d: train_lib.train_and_evaluate(
-      tiny_config(d), _write(t / 'notes.txt', b'not a workdir')
-    ),
+    lambda t, d: loop.train_and_evaluate(tiny_config(d), _write(t / 'notes.txt', b'not a workdir')),
     UserInputError,
     r'--workdir=.*notes\.txt exists and is not a directory',
   ),
@@ -530,7 +532,7 @@ CASES = [
   ),
   (
     'evaluate: source and reference of different lengths',
-    lambda t, d: metrics.evaluate_files(
+    lambda t, d: test_set.evaluate_files(
       str(t), _write(t / 's.en', b'one\ntwo\n'), _write(t / 'r.de', b'eins\n')
     ),
     UserInputError,
@@ -538,7 +540,7 @@ CASES = [
   ),
   (
     'evaluate: --out in a missing folder',
-    lambda t, d: metrics.evaluate_files(
+    lambda t, d: test_set.evaluate_files(
       str(t), _write(t / 's.en', b'one\n'), _write(t / 'r.de', b'eins\n'), out=str(t / 'x' / 'h')
     ),
     UserInputError,
@@ -546,7 +548,7 @@ CASES = [
   ),
   (
     'evaluate API: lists of different lengths',
-    lambda t, d: metrics.evaluate(None, ['one'], ['eins', 'zwei']),
+    lambda t, d: test_set.evaluate(None, ['one'], ['eins', 'zwei']),
     UserInputError,
     r'1 source lines but 2 reference lines',
   ),
@@ -768,7 +770,7 @@ def test_a_bad_field_fails_before_any_data_work(tmp_path, changes, message):
   # (on WMT, preparing and training the vocabulary take many minutes).
   config = _changed(tiny_config(str(tmp_path / 'tfds')), changes)
   with pytest.raises(UserInputError, match=message) as raised:
-    train_lib.train_and_evaluate(config, str(tmp_path / 'workdir'))
+    loop.train_and_evaluate(config, str(tmp_path / 'workdir'))
   assert '\n' not in str(raised.value)
   assert not os.path.exists(tmp_path / 'tfds')
   assert not os.path.exists(tmp_path / 'workdir')
@@ -803,7 +805,7 @@ def _translator() -> Translator:
   return random_weight_translator()
 
 
-# Python API mistakes that were tracebacks or silently wrong (inference.py, metrics.py).
+# Python API mistakes that were tracebacks or silently wrong (inference/, evaluation/).
 API_CASES = [
   pytest.param(
     # Old: ValueError: invalid literal for int() with base 10: 'best' (a traceback).
@@ -837,7 +839,7 @@ API_CASES = [
   ),
   pytest.param(
     # Old: '3 source lines but 4 reference lines': the strings are read letter by letter.
-    lambda t: metrics.evaluate(None, 'one', 'eins'),
+    lambda t: test_set.evaluate(None, 'one', 'eins'),
     r'takes lists of sentences, got a single str',
     id='evaluate API: a string for the sentences',
   ),

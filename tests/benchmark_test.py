@@ -17,10 +17,10 @@ from transformer_jax.benchmark import decoding as decode_benchmark
 from transformer_jax.benchmark import flops as flop_count
 from transformer_jax.benchmark import pipeline as input_benchmark
 from transformer_jax.benchmark.report import ctranslate2_table
-from transformer_jax.config import TransformerConfig
+from transformer_jax.common.errors import UserInputError
 from transformer_jax.configs import default
-from transformer_jax.errors import UserInputError
-from transformer_jax.models import Transformer, count_params
+from transformer_jax.model.config import TransformerConfig
+from transformer_jax.model.transformer import Transformer, count_params
 
 from conftest import REPO_ROOT
 

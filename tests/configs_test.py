@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer_jax import Transformer, run_config
+from transformer_jax import Transformer
+from transformer_jax.training import run_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_NAMES = sorted(

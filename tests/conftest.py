@@ -95,17 +95,29 @@ def data_dir(tmp_path_factory):
   return path
 
 
+@pytest.fixture(scope='session')
+def tiny_workdir(tmp_path_factory, data_dir):
+  """One workdir trained in-process with tiny_config (8 steps, checkpoints at 4 and 8), shared
+  by every test that only reads one (translates from it, compares with it, copies it). Tests
+  that write into a workdir copy it first (shutil.copytree) or train their own."""
+  from transformer_jax.training import loop
+
+  path = str(tmp_path_factory.mktemp('tiny_workdir'))
+  loop.train_and_evaluate(tiny_config(data_dir), path)
+  return path
+
+
 def random_weight_translator(num_encoder_layers: int = 1, num_decoder_layers: int = 1):
   """A random-weight model with a real number-words vocabulary: plumbing, not quality."""
   import flax.linen as nn
   import jax
   import jax.numpy as jnp
 
-  from transformer_jax.config import TransformerConfig
   from transformer_jax.data import number_words
   from transformer_jax.data.tokenizer import Tokenizer
-  from transformer_jax.inference import Translator
-  from transformer_jax.models import Transformer
+  from transformer_jax.inference.translator import Translator
+  from transformer_jax.model.config import TransformerConfig
+  from transformer_jax.model.transformer import Transformer
 
   sentences = []
   for n in range(0, 3000, 7):

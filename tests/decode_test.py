@@ -1,4 +1,4 @@
-"""Tests for transformer_jax.decode with toy callables (no model; CPU)."""
+"""Tests for transformer_jax.search.decode with toy callables (no model; CPU)."""
 
 import functools
 
@@ -7,8 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer_jax import beam_candidates, decode
-from transformer_jax.decode import (
+from transformer_jax.search import candidates as search_candidates
+from transformer_jax.search import decode
+from transformer_jax.search.decode import (
   beam_search,
   beam_search_uncached,
   expand_to_beams,
@@ -541,7 +542,7 @@ def test_top_k_by_blocks_is_top_k(n, ties):
   if ties:
     x = np.round(x * 2) / 2  # Many equal values: the lower index comes first, as top_k's.
   for count in (1, 8):
-    values, index, block_max = beam_candidates.top_k_by_blocks(jnp.asarray(x), min(count, n))
+    values, index, block_max = search_candidates.top_k_by_blocks(jnp.asarray(x), min(count, n))
     expected_values, expected_index = jax.lax.top_k(x, min(count, n))
     np.testing.assert_array_equal(values, expected_values)
     np.testing.assert_array_equal(index, expected_index)
@@ -559,7 +560,7 @@ def test_best_extensions_equal_a_top_k_over_every_extension(vocab):
   alive = rng.normal(size=(b, k)).astype(np.float32)
   alive[1, 2:] = -np.inf  # dead beams
   only_eos = np.array([False, False, True])
-  scores, parent, token = beam_candidates.best_extensions(
+  scores, parent, token = search_candidates.best_extensions(
     jnp.asarray(logits), jnp.asarray(alive), jnp.asarray(only_eos), count, eos_id=EOS, pad_id=PAD
   )
   logp = jax.nn.log_softmax(jnp.asarray(logits).at[..., PAD].set(-jnp.inf))

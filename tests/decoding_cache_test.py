@@ -1,4 +1,4 @@
-"""Cached decoding on random models (`decoding_cache`): cross-attention keys/values kept once
+"""Cached decoding on random models (`model.cache`): cross-attention keys/values kept once
 per sentence and never gathered, self-attention keys/values never moved, a beam table that
 follows the parents, a cache grown through beam search's lengths. It must decode exactly what
 recomputing every prefix decodes."""
@@ -11,10 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer_jax import decoding_cache, inference
-from transformer_jax.config import TransformerConfig
 from transformer_jax.data.tokenizer import EOS_ID, PAD_ID
-from transformer_jax.models import Transformer
+from transformer_jax.inference import decoding
+from transformer_jax.model import cache as model_cache
+from transformer_jax.model.config import TransformerConfig
+from transformer_jax.model.transformer import Transformer
 
 CONFIGS = {
   'post_norm_shared': dict(),
@@ -76,7 +77,7 @@ def test_cached_beam_search_equals_recomputing_every_prefix(name, batch, beam_si
   model, params = _model(name, seed=batch)
   src = _sources(batch, seed=beam_size)
   search = functools.partial(
-    inference.beam_decode, model, beam_size=beam_size, alpha=0.6, max_decode_len=max_decode_len
+    decoding.beam_decode, model, beam_size=beam_size, alpha=0.6, max_decode_len=max_decode_len
   )
   max_lengths = np.minimum(np.arange(batch) + max_decode_len - 2, max_decode_len)
   cached = jax.jit(search)(params, src, max_lengths=max_lengths)
@@ -97,7 +98,7 @@ def test_cached_greedy_equals_recomputing_every_prefix(name):
   src = _sources(3)
   decoded = [
     jax.jit(
-      functools.partial(inference.greedy_decode, model, max_decode_len=14, use_cache=use_cache)
+      functools.partial(decoding.greedy_decode, model, max_decode_len=14, use_cache=use_cache)
     )(params, src)
     for use_cache in (True, False)
   ]
@@ -110,7 +111,7 @@ def _cache_shapes(beam_size: int, batch: int = 3, max_decode_len: int = 5):
 
   def create(params, src):
     encoded = model.apply({'params': params}, src, method=Transformer.encode)
-    return inference.init_cache(model, params, encoded, src, max_decode_len, beam_size)
+    return decoding.init_cache(model, params, encoded, src, max_decode_len, beam_size)
 
   return model.config, jax.eval_shape(create, params, src)
 
@@ -138,12 +139,12 @@ def test_reordering_moves_only_the_beam_table_and_extending_keeps_every_entry():
     'beam_of_position': jnp.array([[0, 1, 0], [1, 1, 0], [0, 0, 1], [1, 0, 0]], jnp.int32),
   }
   rows = jnp.array([1, 1, 3, 2])  # Both beams of sentence 0 go on from its beam 1.
-  reordered = decoding_cache.reorder_beams(cache, rows)
+  reordered = model_cache.reorder_beams(cache, rows)
   np.testing.assert_array_equal(reordered['beam_of_position'], cache['beam_of_position'][rows])
   assert reordered['self_attention'] is cache['self_attention']
   assert reordered['cross_attention'] is cache['cross_attention']
 
-  extended = decoding_cache.extend_cache(cache, 5)  # 3 -> 5 positions of 2 beams
+  extended = model_cache.extend_cache(cache, 5)  # 3 -> 5 positions of 2 beams
   key = extended['self_attention'][0]['key']
   assert key.shape == (2, 1, 5 * 2, 1)
   np.testing.assert_array_equal(key[:, :, :6], entries)  # entry t * beam + j stays put

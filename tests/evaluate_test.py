@@ -6,9 +6,9 @@ import threading
 import pytest
 import sacrebleu
 
-from transformer_jax import metrics
-from transformer_jax.metrics import score
-from transformer_jax.text_io import read_lines
+from transformer_jax.common.text_io import read_lines
+from transformer_jax.evaluation import metrics, test_set
+from transformer_jax.evaluation.metrics import score
 
 
 def test_read_lines_keeps_empty_lines_and_strips_crlf(tmp_path):
@@ -105,10 +105,10 @@ def test_evaluate_report_on_number_words_has_categories_and_no_bleu():
     ['eintausend', 'zweitausend', 'eins'],
   )
   translator = _Echo(dict(zip(sources, ['eintausendeins', 'zweitausend', 'eins'])))
-  _, result = metrics.evaluate(translator, sources, references, dataset='number_words')
+  _, result = test_set.evaluate(translator, sources, references, dataset='number_words')
   assert result['exact_matches'] == 2 and result['sentences'] == 3
   assert result['by_category'] == {'units': (1, 1), 'round': (1, 2)}
-  lines = metrics.report_lines(result)
+  lines = test_set.report_lines(result)
   assert lines[0] == 'exact match 66.67% (2/3)'
   assert lines[1].split() == ['units', '100.00%', '1/1', '1-9']
   assert lines[2].split()[:3] == ['round', '50.00%', '1/2']
@@ -119,9 +119,9 @@ def test_evaluate_report_on_number_words_has_categories_and_no_bleu():
 def test_evaluate_report_elsewhere_has_bleu_and_no_categories():
   sources, references = ['a', 'b'], ['ein Hund rennt im Park', 'zwei Katzen schlafen']
   translator = _Echo({'a': 'ein Hund läuft im Park', 'b': 'zwei Katzen schlafen'})
-  hypotheses, result = metrics.evaluate(translator, sources, references, dataset='text')
+  hypotheses, result = test_set.evaluate(translator, sources, references, dataset='text')
   assert 'by_category' not in result
-  lines = metrics.report_lines(result)
+  lines = test_set.report_lines(result)
   assert lines[0] == 'exact match 50.00% (1/2)'
   expected = sacrebleu.corpus_bleu(hypotheses, [references])
   assert lines[1] == str(expected) and lines[2].startswith('  signature: nrefs:1|case:mixed')

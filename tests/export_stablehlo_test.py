@@ -16,12 +16,15 @@ import numpy as np
 import pytest
 from jax import export as jax_export
 
-from transformer_jax import decode, export_stablehlo, inference, stablehlo_runner, train_lib
+from transformer_jax.common.errors import UserInputError
 from transformer_jax.data import number_words
 from transformer_jax.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID
-from transformer_jax.errors import UserInputError
-from transformer_jax.inference import Translator
-from transformer_jax.workdir import Workdir
+from transformer_jax.exporters import stablehlo, stablehlo_runner
+from transformer_jax.inference import decoding
+from transformer_jax.inference.translator import Translator
+from transformer_jax.search import decode
+from transformer_jax.training import loop
+from transformer_jax.workdir.layout import Workdir
 
 from conftest import tiny_config
 
@@ -80,14 +83,14 @@ def workdir(tmp_path_factory, data_dir):
   config.model.max_len = 64
   config.checkpoint_every_steps = 30
   path = str(tmp_path_factory.mktemp('stablehlo') / 'workdir')
-  train_lib.train_and_evaluate(config, path)
+  loop.train_and_evaluate(config, path)
   return path
 
 
 @pytest.fixture(scope='module')
 def exported(workdir, tmp_path_factory):
   out = str(tmp_path_factory.mktemp('stablehlo') / 'model')
-  assert export_stablehlo.export(workdir, out) == out
+  assert stablehlo.export(workdir, out) == out
   return out
 
 
@@ -175,7 +178,7 @@ def test_beam_search_and_greedy_search_differ_somewhere(ours):
 
 def test_the_artifact_has_symbolic_batch_and_length(exported):
   for beam_size in (1, 4):
-    path = os.path.join(exported, export_stablehlo.search_file(beam_size))
+    path = os.path.join(exported, stablehlo.search_file(beam_size))
     with open(path, 'rb') as f:
       search = jax_export.deserialize(bytearray(f.read()))
     *parameters, source_ids, max_lengths, alpha = search.in_avals
@@ -189,12 +192,12 @@ def test_the_artifact_has_symbolic_batch_and_length(exported):
 
 
 def test_the_decode_length_is_symbolic_where_max_len_does_not_decide_it():
-  batch, source_length = export_stablehlo.symbolic_source_shape(256)
-  length = export_stablehlo.decode_length(source_length, 256)
+  batch, source_length = stablehlo.symbolic_source_shape(256)
+  length = stablehlo.decode_length(source_length, 256)
   assert str(length) == 'min(s + 50, 256)'
   # Decided at export where s >= 1 settles it: s + 50 > 32.
-  assert export_stablehlo.decode_length(source_length, 32) == 32
-  assert export_stablehlo.decode_length(14, 256) == 64  # Concrete: the Translator's min().
+  assert stablehlo.decode_length(source_length, 32) == 32
+  assert stablehlo.decode_length(14, 256) == 64  # Concrete: the Translator's min().
 
 
 def test_the_directory_holds_parameters_vocabulary_manifest_and_runner(
@@ -212,7 +215,7 @@ def test_the_directory_holds_parameters_vocabulary_manifest_and_runner(
   assert manifest['searches']['1']['output'] == 'int32[b, min(s + 50, 64)]'
   assert sorted(manifest['searches']) == ['1', '4']
 
-  flat = export_stablehlo.flatten_parameters(translator.params)
+  flat = stablehlo.flatten_parameters(translator.params)
   with np.load(os.path.join(exported, 'parameters.npz'), allow_pickle=False) as stored:
     assert sorted(stored.files) == sorted(flat) == sorted(manifest['parameters']['shapes'])
     for name, value in flat.items():
@@ -234,16 +237,16 @@ def test_the_directory_holds_parameters_vocabulary_manifest_and_runner(
 
 
 def test_parameters_nest_back_to_the_translators_tree(translator):
-  flat = export_stablehlo.flatten_parameters(translator.params)
-  nested = export_stablehlo.nest_parameters(flat)
+  flat = stablehlo.flatten_parameters(translator.params)
+  nested = stablehlo.nest_parameters(flat)
   assert jax.tree_util.tree_structure(nested) == jax.tree_util.tree_structure(translator.params)
 
 
 def test_the_runner_buckets_and_strips_as_the_translator():
   for limit in (32, 100, 256):
     assert [
-      stablehlo_runner.source_bucket(n, limit, inference.MIN_SOURCE_BUCKET) for n in range(1, 300)
-    ] == [inference.source_bucket(n, limit) for n in range(1, 300)]
+      stablehlo_runner.source_bucket(n, limit, decoding.MIN_SOURCE_BUCKET) for n in range(1, 300)
+    ] == [decoding.source_bucket(n, limit) for n in range(1, 300)]
   tokens = np.array([[5, 6, EOS_ID, 7, PAD_ID], [PAD_ID, 5, PAD_ID, 8, 9], [EOS_ID, 4, 4, 4, 4]])
   assert stablehlo_runner.strip_after_eos(tokens, EOS_ID, PAD_ID) == decode.strip_after_eos(
     tokens, EOS_ID, pad_id=PAD_ID
@@ -260,9 +263,9 @@ def test_the_runner_refuses_a_beam_size_that_was_not_exported(exported):
 def test_a_variant_that_cannot_be_exported_is_refused_in_one_line(translator):
   cudnn = translator.model_config.replace(attention_impl='cudnn', dtype='bfloat16')
   with pytest.raises(UserInputError, match=r"^TransformerConfig\.attention_impl='cudnn' exports"):
-    export_stablehlo.check_exportable(cudnn, ('cpu', 'cuda'))
-  export_stablehlo.check_exportable(cudnn, ('cuda',))  # The one platform it runs on.
-  export_stablehlo.check_exportable(translator.model_config, ('cpu', 'cuda'))
+    stablehlo.check_exportable(cudnn, ('cpu', 'cuda'))
+  stablehlo.check_exportable(cudnn, ('cuda',))  # The one platform it runs on.
+  stablehlo.check_exportable(translator.model_config, ('cpu', 'cuda'))
 
 
 @pytest.mark.parametrize(
@@ -281,14 +284,14 @@ def test_impossible_options_are_refused_before_anything_is_written(
 ):
   out = tmp_path / 'model'
   with pytest.raises(UserInputError, match=message) as error:
-    export_stablehlo.export(workdir, str(out), **options)
+    stablehlo.export(workdir, str(out), **options)
   assert '\n' not in str(error.value)
   assert list(tmp_path.iterdir()) == []
 
 
 def test_an_existing_out_is_kept_unless_forced(exported, workdir):
   with pytest.raises(UserInputError, match=r'already there \(pass --force to replace it\)$'):
-    export_stablehlo.export(workdir, exported)
+    stablehlo.export(workdir, exported)
   assert os.path.exists(os.path.join(exported, 'manifest.json'))
 
 

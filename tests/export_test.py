@@ -23,13 +23,13 @@ import sentencepiece
 import tensorflow_datasets as tfds
 from ctranslate2.specs import model_spec as ct2_model_spec
 
-from transformer_jax import export_ctranslate2
-from transformer_jax.config import TransformerConfig
+from transformer_jax.common.errors import UserInputError
 from transformer_jax.data import number_words
 from transformer_jax.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
-from transformer_jax.errors import UserInputError
-from transformer_jax.inference import Translator
-from transformer_jax.models import Transformer
+from transformer_jax.exporters import ctranslate2_runtime, ctranslate2_spec
+from transformer_jax.inference.translator import Translator
+from transformer_jax.model.config import TransformerConfig
+from transformer_jax.model.transformer import Transformer
 
 from conftest import REPO_ROOT
 
@@ -89,7 +89,7 @@ def ours(workdir, test_split):
 @pytest.fixture(scope='module')
 def float32_dir(workdir, tmp_path_factory):
   out = str(tmp_path_factory.mktemp('ct2') / 'float32')
-  assert export_ctranslate2.export(workdir, out) == out
+  assert ctranslate2_spec.export(workdir, out) == out
   return out
 
 
@@ -116,7 +116,7 @@ def int8_dir(workdir, tmp_path_factory):
 def _load(directory):
   translator = ctranslate2.Translator(directory, intra_threads=1)
   processor = sentencepiece.SentencePieceProcessor(
-    model_file=os.path.join(directory, export_ctranslate2.SENTENCEPIECE_FILE)
+    model_file=os.path.join(directory, ctranslate2_spec.SENTENCEPIECE_FILE)
   )
   return translator, processor
 
@@ -140,7 +140,7 @@ def test_greedy_translations_equal_ours_on_every_test_sentence(ours, float32_dir
   sources, references = test_split
   ct2, processor = _load(float32_dir)
   max_len = translator.model_config.max_len
-  theirs = export_ctranslate2.translate(ct2, processor, sources, max_len=max_len, beam_size=1)
+  theirs = ctranslate2_runtime.translate(ct2, processor, sources, max_len=max_len, beam_size=1)
   print(f'greedy: ours {_exact_match(greedy, references):.2%} exact match')
   assert _agreement(theirs, greedy, sources, 'greedy') == 1.0
 
@@ -150,7 +150,7 @@ def test_beam4_translations_equal_ours(ours, float32_dir, test_split):
   sources, references = test_split
   ct2, processor = _load(float32_dir)
   max_len = translator.model_config.max_len
-  theirs = export_ctranslate2.translate(
+  theirs = ctranslate2_runtime.translate(
     ct2, processor, sources, max_len=max_len, beam_size=4, alpha=0.6
   )
   agreement = _agreement(theirs, beam, sources, 'beam 4')
@@ -166,7 +166,7 @@ def test_scores_of_the_references_agree_with_our_log_probs(ours, float32_dir, te
   src = [tokenizer.encode(s) for s in sources[:64]]
   tgt = [tokenizer.encode(t) for t in references[:64]]
   mine = _target_log_probs(_our_log_probs(translator.model, translator.params, src, tgt), tgt)
-  pieces = export_ctranslate2.vocabulary(tokenizer)
+  pieces = ctranslate2_spec.vocabulary(tokenizer)
   theirs = ct2.score_batch([_pieces(pieces, s) for s in src], [_pieces(pieces, t) for t in tgt])
   difference = _largest_difference(theirs, mine)
   print(f'largest per-token log-prob difference: {difference:.2e}')
@@ -178,7 +178,7 @@ def test_int8_keeps_the_exact_match(ours, int8_dir, test_split):
   sources, references = test_split
   ct2, processor = _load(int8_dir)
   max_len = translator.model_config.max_len
-  theirs = export_ctranslate2.translate(ct2, processor, sources, max_len=max_len, beam_size=4)
+  theirs = ctranslate2_runtime.translate(ct2, processor, sources, max_len=max_len, beam_size=4)
   int8, float32 = _exact_match(theirs, references), _exact_match(beam, references)
   print(f'exact match: int8 CTranslate2 {int8:.2%}, ours (float32) {float32:.2%}')
   assert int8 >= (0.98 if float32 >= 0.98 else float32 - 0.02)
@@ -197,12 +197,12 @@ def test_the_command_writes_a_directory_whose_readme_runs(int8_dir, workdir, our
   tokenizer = translator.tokenizer
   assert vocabulary == tokenizer.pieces(range(tokenizer.vocab_size))
   assert vocabulary[PAD_ID] == '<pad>' and vocabulary[EOS_ID] == '</s>'
-  with open(os.path.join(int8_dir, export_ctranslate2.SENTENCEPIECE_FILE), 'rb') as f:
+  with open(os.path.join(int8_dir, ctranslate2_spec.SENTENCEPIECE_FILE), 'rb') as f:
     exported = f.read()
   with open(os.path.join(workdir, 'vocab.model'), 'rb') as f:
     assert exported == f.read()
 
-  with open(os.path.join(int8_dir, export_ctranslate2.README_FILE)) as f:
+  with open(os.path.join(int8_dir, ctranslate2_spec.README_FILE)) as f:
     readme = f.read()
   (code,) = re.findall(r'```python\n(.*?)```', readme, re.S)
   result = subprocess.run(
@@ -210,7 +210,7 @@ def test_the_command_writes_a_directory_whose_readme_runs(int8_dir, workdir, our
   )
   assert result.returncode == 0, result.stderr
   ct2, processor = _load(int8_dir)
-  expected = export_ctranslate2.translate(
+  expected = ctranslate2_runtime.translate(
     ct2, processor, ['three hundred forty-two'], max_len=translator.model_config.max_len
   )
   assert result.stdout.strip() == repr(expected)
@@ -219,7 +219,7 @@ def test_the_command_writes_a_directory_whose_readme_runs(int8_dir, workdir, our
 def test_force_replaces_an_existing_directory(workdir, tmp_path):
   (tmp_path / 'model').mkdir()
   (tmp_path / 'model' / 'stale.txt').write_text('from before')
-  out = export_ctranslate2.export(workdir, str(tmp_path / 'model'), force=True)
+  out = ctranslate2_spec.export(workdir, str(tmp_path / 'model'), force=True)
   assert sorted(os.listdir(out)) == [
     'README.md',
     'config.json',
@@ -336,13 +336,13 @@ def test_random_models_round_trip(changes, tmp_path):
   token against our model's argmax: one model call instead of a compiled search)."""
   config, model, params = _random_model(**changes)
   tokenizer = _tokenizer()
-  ct2 = _save(export_ctranslate2.model_spec(config, params, tokenizer), tmp_path)
-  pieces = export_ctranslate2.vocabulary(tokenizer)
+  ct2 = _save(ctranslate2_spec.model_spec(config, params, tokenizer), tmp_path)
+  pieces = ctranslate2_spec.vocabulary(tokenizer)
   ids = {piece: i for i, piece in enumerate(pieces)}
   rng = np.random.default_rng(1)
   src, tgt = _random_ids(config, 16, rng), _random_ids(config, 16, rng)
   source = [_pieces(pieces, s) for s in src]
-  options = export_ctranslate2.translation_options(config.max_len, beam_size=1)
+  options = ctranslate2_runtime.translation_options(config.max_len, beam_size=1)
   greedy = [[ids[p] for p in r.hypotheses[0]] for r in ct2.translate_batch(source, **options)]
 
   log_probs = _our_log_probs(model, params, src + src, tgt + greedy, config.max_len)
@@ -398,9 +398,9 @@ def test_each_convention_is_needed(convention, tmp_path):
   1e-4 they agree to with all of them: the agreement is the conventions carried over."""
   config, params, src, tgt, mine = _convention_case()
   tokenizer = _tokenizer()
-  spec = export_ctranslate2.model_spec(config, params, tokenizer)
+  spec = ctranslate2_spec.model_spec(config, params, tokenizer)
   ct2 = _save(_without(spec, convention) if convention else spec, tmp_path)
-  pieces = export_ctranslate2.vocabulary(tokenizer)
+  pieces = ctranslate2_spec.vocabulary(tokenizer)
   scores = ct2.score_batch([_pieces(pieces, s) for s in src], [_pieces(pieces, t) for t in tgt])
   difference = _largest_difference(scores, mine)
   assert difference < 1e-4 if convention is None else difference > 1e-2
@@ -414,14 +414,14 @@ def test_an_empty_translation_stays_empty(tmp_path):
   last['scale'][-1], last['bias'][-1] = 0.0, 1.0  # The decoder's output is all ones...
   params['output_projection']['kernel'][:, EOS_ID] = 1.0  # ...whose top logit is EOS's.
   tokenizer = _tokenizer()
-  ct2 = _save(export_ctranslate2.model_spec(config, params, tokenizer), tmp_path)
-  pieces = export_ctranslate2.vocabulary(tokenizer)
+  ct2 = _save(ctranslate2_spec.model_spec(config, params, tokenizer), tmp_path)
+  pieces = ctranslate2_spec.vocabulary(tokenizer)
   src = _random_ids(config, 4, np.random.default_rng(2))
   log_probs = _our_log_probs(model, params, src, [[]] * 4)
   assert all(_is_our_greedy_output(row, [], config.max_len) for row in log_probs)
   source = [_pieces(pieces, s) for s in src]
   for beam_size in (1, 4):
-    options = export_ctranslate2.translation_options(config.max_len, beam_size)
+    options = ctranslate2_runtime.translation_options(config.max_len, beam_size)
     assert [r.hypotheses[0] for r in ct2.translate_batch(source, **options)] == [[]] * 4
   assert all(r.hypotheses[0] for r in ct2.translate_batch(source, beam_size=1))
 
@@ -433,20 +433,20 @@ def test_outputs_that_never_end_are_cut_where_ours_are(tmp_path):
   config, _, params = _random_model(max_len=96, logits_bias=True)
   params['logits_bias'][EOS_ID] = -1e3
   tokenizer = _tokenizer()
-  ct2 = _save(export_ctranslate2.model_spec(config, params, tokenizer), tmp_path)
+  ct2 = _save(ctranslate2_spec.model_spec(config, params, tokenizer), tmp_path)
   processor = sentencepiece.SentencePieceProcessor(model_proto=tokenizer.model_bytes)
   sentences = ['seven', 'twenty-one', 'three hundred forty-two thousand five']
   ours = Translator(config, params, tokenizer, batch_size=4)
   for beam_size in (1, 4):
     mine = ours.translate(sentences, beam_size=beam_size)
-    theirs = export_ctranslate2.translate(
+    theirs = ctranslate2_runtime.translate(
       ct2, processor, sentences, max_len=config.max_len, beam_size=beam_size
     )
     assert theirs == mine, beam_size
   # One call capped at max_len, as before: every output runs to max_len - 1 pieces, longer than
   # ours (source + EOS + 50 tokens, the EOS never written).
   source = [processor.encode(sentence, out_type=str) for sentence in sentences]
-  uncut = ct2.translate_batch(source, **export_ctranslate2.translation_options(config.max_len, 1))
+  uncut = ct2.translate_batch(source, **ctranslate2_runtime.translation_options(config.max_len, 1))
   assert [len(r.hypotheses[0]) for r in uncut] == [config.max_len - 1] * 3
   greedy = ours.translate(sentences, beam_size=1)
   assert [processor.decode(r.hypotheses[0]) for r in uncut] != greedy
@@ -460,21 +460,21 @@ def test_a_model_variant_the_export_does_not_know_is_refused():
   class Future(TransformerConfig):
     activation: str = 'relu'
 
-  export_ctranslate2.check_exportable(Future(vocab_size=8))  # At its default: the same model.
+  ctranslate2_spec.check_exportable(Future(vocab_size=8))  # At its default: the same model.
   with pytest.raises(
     UserInputError, match=r"^TransformerConfig.activation='gelu': the CTranslate2"
   ):
-    export_ctranslate2.check_exportable(Future(vocab_size=8, activation='gelu'))
+    ctranslate2_spec.check_exportable(Future(vocab_size=8, activation='gelu'))
 
 
 def test_a_vocabulary_of_another_size_is_refused():
   config, _, params = _random_model()
   with pytest.raises(UserInputError, match='vocabulary has 96 pieces but the model expects 97'):
-    export_ctranslate2.model_spec(config.replace(vocab_size=97), params, _tokenizer())
+    ctranslate2_spec.model_spec(config.replace(vocab_size=97), params, _tokenizer())
 
 
 def test_the_quantizations_are_ctranslate2s():
-  assert export_ctranslate2.QUANTIZATIONS == ct2_model_spec.ACCEPTED_MODEL_TYPES
+  assert ctranslate2_spec.QUANTIZATIONS == ct2_model_spec.ACCEPTED_MODEL_TYPES
 
 
 @pytest.mark.parametrize(
@@ -494,6 +494,6 @@ def test_bad_export_arguments_are_refused_before_any_work(
   out = out if out.startswith('gs://') else str(tmp_path / out)
   with pytest.raises(UserInputError, match=message):
     # The workdir does not exist: refusing first means nothing was restored.
-    export_ctranslate2.export(
+    ctranslate2_spec.export(
       str(tmp_path / 'no_workdir'), out, quantization=quantization, force=force
     )

@@ -9,15 +9,16 @@ import subprocess
 import sys
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
-import gcs_emulator
 import numpy as np
 import pytest
 from etils import epath
+from helpers import gcs_emulator
 
+from transformer_jax.common.errors import UserInputError
 from transformer_jax.data import input_pipeline, staging
-from transformer_jax.errors import UserInputError
-from transformer_jax.gcs_lock import GcsLock
+from transformer_jax.workdir.gcs_lock import GcsLock
 
 from conftest import REPO_ROOT, TINY_FLAGS, tiny_config
 
@@ -46,7 +47,7 @@ def test_a_killed_holder_expires_and_is_taken_over(gcs, tmp_path):
     [
       sys.executable,
       '-c',
-      'import sys, time; from transformer_jax.gcs_lock import GcsLock; '
+      'import sys, time; from transformer_jax.workdir.gcs_lock import GcsLock; '
       'GcsLock(sys.argv[1], expiry_seconds=4).acquire(); print("held", flush=True); '
       'time.sleep(120)',
       path,
@@ -164,7 +165,7 @@ def _command(*args, env):
 def _final_params(checkpoints: str, step: int) -> list:
   import jax
 
-  from transformer_jax.checkpointing import Checkpointer
+  from transformer_jax.checkpoints.checkpointer import Checkpointer
 
   with Checkpointer(checkpoints, keep=None) as checkpointer:
     return jax.tree.leaves(checkpointer.restore_params_to_host(step))
@@ -179,10 +180,18 @@ def test_the_whole_cycle_in_a_bucket_equals_the_local_one(gcs, data_dir, tmp_pat
   tfds_dir = f'gs://{gcs.bucket}/tfds-{uuid.uuid4().hex[:6]}'
   _upload(os.path.join(data_dir, 'number_words'), f'{tfds_dir}/number_words')
   local = str(tmp_path / 'local')
-  reference = _command(
-    'train.py', f'--workdir={local}', f'--config.data_dir={data_dir}', *_TINY_FLAGS, env=env
+  # Independent commands run side by side (the local reference alongside the bucket's run, the
+  # two workdirs' averages and translations): each leaves a core idle much of the time
+  # (start-up, compilation), and no result depends on the load.
+  pool = ThreadPoolExecutor(max_workers=2)
+  reference = pool.submit(
+    _command,
+    'train.py',
+    f'--workdir={local}',
+    f'--config.data_dir={data_dir}',
+    *_TINY_FLAGS,
+    env=env,
   )
-  assert reference.returncode == 0, reference.stderr[-3000:]
 
   command = [
     sys.executable,
@@ -210,6 +219,8 @@ def test_the_whole_cycle_in_a_bucket_equals_the_local_one(gcs, data_dir, tmp_pat
   resumed = _command(*command[1:], env=env)
   assert resumed.returncode == 0, resumed.stderr[-3000:]
   assert f'resumed from {run}/checkpoints at step {stopped_at}' in resumed.stderr
+  reference = reference.result()
+  assert reference.returncode == 0, reference.stderr[-3000:]
   for a, b in zip(
     _final_params(f'{local}/checkpoints', 200),
     _final_params(f'{run}/checkpoints', 200),
@@ -217,31 +228,37 @@ def test_the_whole_cycle_in_a_bucket_equals_the_local_one(gcs, data_dir, tmp_pat
   ):
     np.testing.assert_array_equal(a, b)  # Bitwise: the bucket changes nothing.
 
-  for workdir in (local, run):
-    averaged = _command(
+  averages = pool.map(
+    lambda workdir: _command(
       '-m', 'transformer_jax.average', f'--workdir={workdir}', '--last=2', env=env
-    )
+    ),
+    (local, run),
+  )
+  for averaged in averages:
     assert averaged.returncode == 0, averaged.stderr[-3000:]
   lines = 'seven hundred one\n\nthree thousand forty-two\n'
-  translations = [
-    subprocess.run(
-      [sys.executable, '-m', 'transformer_jax.translate', f'--workdir={workdir}'],
-      input=lines,
-      cwd=REPO_ROOT,
-      env=env,
-      capture_output=True,
-      text=True,
-      timeout=300,
+  translations = list(
+    pool.map(
+      lambda workdir: subprocess.run(
+        [sys.executable, '-m', 'transformer_jax.translate', f'--workdir={workdir}'],
+        input=lines,
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+      ),
+      (local, run),
     )
-    for workdir in (local, run)
-  ]
+  )
   assert [t.returncode for t in translations] == [0, 0], translations[1].stderr[-3000:]
   assert translations[0].stdout == translations[1].stdout
   assert len(translations[1].stdout.splitlines()) == 3
 
   epath.Path(f'{run}-files/test.en').write_text(lines)
   epath.Path(f'{run}-files/test.de').write_text('siebenhunderteins\n\ndreitausendzweiundvierzig\n')
-  evaluated = _command(
+  evaluated = pool.submit(
+    _command,
     '-m',
     'transformer_jax.evaluate',
     f'--workdir={run}',
@@ -249,9 +266,8 @@ def test_the_whole_cycle_in_a_bucket_equals_the_local_one(gcs, data_dir, tmp_pat
     f'--ref={run}-files/test.de',
     env=env,
   )
-  assert evaluated.returncode == 0, evaluated.stderr[-3000:]
-  assert 'BLEU' in evaluated.stdout and f'hypotheses: {run}/hypotheses/' in evaluated.stdout
-  plotted = _command(
+  plotted = pool.submit(
+    _command,
     '-m',
     'transformer_jax.plot_attention',
     f'--workdir={run}',
@@ -259,6 +275,10 @@ def test_the_whole_cycle_in_a_bucket_equals_the_local_one(gcs, data_dir, tmp_pat
     f'--out={tmp_path / "attention.png"}',
     env=env,
   )
+  evaluated, plotted = evaluated.result(), plotted.result()
+  pool.shutdown()
+  assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+  assert 'BLEU' in evaluated.stdout and f'hypotheses: {run}/hypotheses/' in evaluated.stdout
   assert plotted.returncode == 0, plotted.stderr[-3000:]
 
   # Everything the workdir holds is in the bucket (and nothing in a local 'gs:' folder).
@@ -288,7 +308,10 @@ def test_two_processes_train_in_a_bucket(gcs, data_dir, tmp_path):
     f'--workdir={run}',
     f'--config.data_dir={data_dir}',
     *_TINY_FLAGS,
-    '--config.batching=tokens',
+    # Packed rows: one batch shape, so one training program to compile per run (token-budget
+    # buckets compiled four here, ~6 s each); tests/multihost_test.py covers token batches
+    # across processes.
+    '--config.batching=packed',
     '--config.tokens_per_batch=384',
     '--config.num_train_steps=20',
     '--config.checkpoint_every_steps=10',

@@ -12,7 +12,8 @@ import jax
 import ml_collections
 import pytest
 
-from transformer_jax import host_memory, matmul
+from transformer_jax.model import matmul
+from transformer_jax.training import host_memory
 
 from conftest import REPO_ROOT
 
@@ -22,7 +23,7 @@ _SCRIPT = """
 import ctypes, resource, sys
 sys.path.insert(0, {repo!r})
 if sys.argv[1] == 'reuse':
-  from transformer_jax import host_memory
+  from transformer_jax.training import host_memory
   assert host_memory.reuse_freed_memory() and host_memory.is_applied()
 libc = ctypes.CDLL('libc.so.6')
 libc.malloc.restype = ctypes.c_void_p
@@ -106,7 +107,7 @@ def test_skipped_with_a_log_line_where_an_accelerator_is_expected(
   applied, lines = _decide(caplog)
   assert not applied and decisions == []  # mallopt never called.
   assert len(lines) == 1 and reason in lines[0] and 'JAX_PLATFORMS=cpu' in lines[0], lines
-  assert _decide(caplog) == (False, [])  # Said once (train.py and train_lib both ask).
+  assert _decide(caplog) == (False, [])  # Said once (train.py and training.loop both ask).
 
 
 @pytest.mark.parametrize(
@@ -171,7 +172,7 @@ def test_plugins_found_as_jax_finds_them_without_starting_it(tmp_path, installed
     'TPU_LIBRARY_PATH',
   )
   env = {k: v for k, v in os.environ.items() if k not in hidden and k != 'PYTHONPATH'}
-  module = os.path.join(REPO_ROOT, 'transformer_jax', 'host_memory.py')
+  module = os.path.join(REPO_ROOT, 'transformer_jax', 'training', 'host_memory.py')
   result = subprocess.run(
     [sys.executable, '-c', _DETECT, module, str(tmp_path)],
     capture_output=True,

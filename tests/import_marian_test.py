@@ -21,20 +21,23 @@ import types
 
 import ctranslate2
 import jax
-import marian_npz
-import marian_npz_check
 import ml_collections
 import numpy as np
 import pytest
 import sentencepiece
 
-from transformer_jax import export_ctranslate2, imported_workdir, inference, marian
+from transformer_jax.common.errors import UserInputError
+from transformer_jax.common.paths import file_sha256
 from transformer_jax.data import input_pipeline
 from transformer_jax.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer
-from transformer_jax.errors import UserInputError
-from transformer_jax.models import Transformer
-from transformer_jax.paths import file_sha256
-from transformer_jax.workdir import Workdir
+from transformer_jax.exporters import ctranslate2_runtime
+from transformer_jax.importers import marian, workdir_writer
+from transformer_jax.inference import decoding
+from transformer_jax.inference import translator as inference_translator
+from transformer_jax.model.transformer import Transformer
+from transformer_jax.testing import marian_npz, marian_npz_check, marian_reference
+from transformer_jax.workdir import imported
+from transformer_jax.workdir.layout import Workdir
 
 from conftest import REPO_ROOT
 
@@ -122,7 +125,7 @@ def case(request, tmp_path_factory, spm_model):
     )
     for name in ('exact', 'stock')
   )
-  config, params, vocabulary, origin, _ = marian.import_marian(npz, vocab, spm_model[0])
+  config, params, vocabulary, origin, _ = marian.read_model(npz, vocab, spm_model[0])
   ours = Tokenizer(vocabulary)
   pieces = [ours.pieces([i])[0] for i in range(config.vocab_size)]
   return Case(
@@ -170,7 +173,9 @@ def test_scores_equal_marian_exact_ctranslate2s_and_not_stock_ctranslate2s(case)
     float(
       np.max(
         np.abs(
-          marian_npz.log_softmax(marian_npz.marian_reference_logits(case.arrays, [*s, 0], t))
+          marian_reference.log_softmax(
+            marian_reference.marian_reference_logits(case.arrays, [*s, 0], t)
+          )
           - log_probs[r, : len(t) + 1][:, case.ids]
         )
       )
@@ -197,11 +202,11 @@ def _searches(case):
     sources = _random_ids(case.rng, SENTENCES, 1, 15)
     src = _padded([[*case.ids[s], EOS_ID] for s in sources], 16)
     model = case.model
-    greedy = jax.jit(lambda p, s: inference.greedy_decode(model, p, s, max_decode_len=MAX_DECODE))
+    greedy = jax.jit(lambda p, s: decoding.greedy_decode(model, p, s, max_decode_len=MAX_DECODE))
 
     def beam(rule, alpha):
       return jax.jit(
-        lambda p, s: inference.beam_decode(
+        lambda p, s: decoding.beam_decode(
           model, p, s, beam_size=4, alpha=alpha, max_decode_len=MAX_DECODE, rule=rule
         )
       )(case.params, src)
@@ -228,7 +233,7 @@ def _searches(case):
       theirs_beam=[r.hypotheses for r in theirs_beam],
       theirs_beam_scores=np.array([r.scores for r in theirs_beam]),
       exact=[_tokens(row, case.pieces) for row in exact_ids],
-      theirs_gnmt=[export_ctranslate2.gnmt_best(r.hypotheses, r.scores, 0.6) for r in theirs_beam],
+      theirs_gnmt=[ctranslate2_runtime.gnmt_best(r.hypotheses, r.scores, 0.6) for r in theirs_beam],
     )
   return case.searches
 
@@ -313,7 +318,7 @@ def _spm_vocab_npz(directory, size, seed=5):
 def test_a_spm_vocabulary_segments_as_the_spm_with_our_ids(spm_model, tmp_path):
   spm_path, spm_pieces, text = spm_model
   npz = _spm_vocab_npz(str(tmp_path), len(spm_pieces))
-  config, params, vocabulary, origin, _ = marian.import_marian(npz, spm_path)
+  config, params, vocabulary, origin, _ = marian.read_model(npz, spm_path)
   ours, theirs = Tokenizer(vocabulary), sentencepiece.SentencePieceProcessor(model_file=spm_path)
   assert ours.pieces(range(ours.vocab_size)) == ['<pad>', '</s>', '<s>', '<unk>'] + spm_pieces[2:]
   assert config.vocab_size == ours.vocab_size == len(spm_pieces) + 2
@@ -350,7 +355,7 @@ def test_a_target_spm_segments_targets_as_marian_s_training_did(spm_model, tmp_p
   _spm_vocab_npz(str(folder), len(joint))
 
   workdir = str(tmp_path / 'imported')
-  imported_workdir.import_marian(str(folder), workdir)
+  workdir_writer.import_marian_model(str(folder), workdir)
   saved = Workdir(workdir)
   ours = Tokenizer.load(saved.vocab_file)
   targets = input_pipeline.load_target_tokenizer(saved)
@@ -366,7 +371,9 @@ def test_a_target_spm_segments_targets_as_marian_s_training_did(spm_model, tmp_p
   assert differ >= 40  # source.spm segments German otherwise: the target model matters.
   origin = json.loads(saved.config_file.read_text())['imported_from']
   assert origin['target_spm'] == str(folder / 'target.spm')
-  maps = inference.Translator.from_checkpoint(workdir).attention('the cat sat', german[0])
+  maps = inference_translator.Translator.from_checkpoint(workdir).attention(
+    'the cat sat', german[0]
+  )
   assert maps.target_tokens == marian_target.encode(german[0], out_type=str) + ['</s>']
 
   # Training's tokenization: targets through target.spm, sources through source.spm.
@@ -383,11 +390,9 @@ def test_a_target_spm_segments_targets_as_marian_s_training_did(spm_model, tmp_p
   # A same-content target.spm is no second segmenter; --target_spm with a .spm vocabulary is
   # refused.
   shutil.copy(folder / 'source.spm', folder / 'target.spm')
-  assert marian.import_marian(str(folder))[4] is None
+  assert marian.read_model(str(folder))[4] is None
   with pytest.raises(UserInputError, match='a .spm vocabulary segments both sides'):
-    marian.import_marian(
-      str(folder / 'model.npz'), source_spm, target_spm=str(folder / 'target.spm')
-    )
+    marian.read_model(str(folder / 'model.npz'), source_spm, target_spm=str(folder / 'target.spm'))
 
 
 class _Examples(list):
@@ -414,11 +419,11 @@ def test_a_yml_vocabulary_with_the_source_spm(spm_model, tmp_path):
   shutil.copy(spm_path, os.path.join(directory, 'source.spm'))
   shutil.copy(spm_path, os.path.join(directory, 'target.spm'))
   with pytest.raises(UserInputError, match='expected one .npz model, found 0'):
-    marian.import_marian(str(tmp_path))
+    marian.read_model(str(tmp_path))
   shutil.copy(os.path.join(directory, 'opus.model1.npz'), os.path.join(directory, 'other.npz'))
   with open(os.path.join(directory, 'decoder.yml'), 'w') as f:  # It names the model to use.
     f.write('models:\n  - opus.model1.npz\nvocabs:\n  - opus.vocab.yml\n  - opus.vocab.yml\n')
-  config, params, vocabulary, origin, _ = marian.import_marian(directory)
+  config, params, vocabulary, origin, _ = marian.read_model(directory)
   assert origin['model'].endswith('opus.model1.npz')
   assert origin['vocab'].endswith('opus.vocab.yml') and origin['spm'].endswith('source.spm')
   ours, theirs = Tokenizer(vocabulary), sentencepiece.SentencePieceProcessor(model_file=spm_path)
@@ -463,8 +468,8 @@ def test_the_command_writes_a_workdir_that_translates_as_ctranslate2(spm_model, 
   assert result.returncode == 0, result.stderr[-3000:]
   with open(os.path.join(workdir, 'config.json')) as f:
     saved = json.load(f)
-  assert saved[imported_workdir.IMPORTED_KEY]['model_sha256'] == file_sha256(npz)
-  assert saved[imported_workdir.IMPORTED_KEY]['marian_version'] == marian_npz.MARIAN_VERSION
+  assert saved[imported.IMPORTED_KEY]['model_sha256'] == file_sha256(npz)
+  assert saved[imported.IMPORTED_KEY]['marian_version'] == marian_npz.MARIAN_VERSION
   assert saved['model']['sinusoid_layout'] == 'concatenated'
   again = subprocess.run(
     [*command, f'--workdir={workdir}'], capture_output=True, text=True, cwd=REPO_ROOT
@@ -484,13 +489,13 @@ def test_the_command_writes_a_workdir_that_translates_as_ctranslate2(spm_model, 
   )
   processor = sentencepiece.SentencePieceProcessor(model_file=spm_path)
   sentences = text[:40]
-  translator = inference.Translator.from_checkpoint(workdir, batch_size=64)
+  translator = inference_translator.Translator.from_checkpoint(workdir, batch_size=64)
   source = [processor.encode(s, out_type=str) for s in sentences]
   # Ours stop at the source length + 50 pieces (inference.Translator.translate); greedy's
   # output is a prefix of a longer one, so CTranslate2's is cut there.
   caps = [len(s) + 50 for s in source]
   mine = translator.translate(sentences, beam_size=1)
-  options = export_ctranslate2.translation_options(max(caps) + 1, beam_size=1)
+  options = ctranslate2_runtime.translation_options(max(caps) + 1, beam_size=1)
   results = reference.translate_batch(source, **options)
   theirs = [processor.decode(r.hypotheses[0][:cap]) for r, cap in zip(results, caps)]
   print(
@@ -500,9 +505,9 @@ def test_the_command_writes_a_workdir_that_translates_as_ctranslate2(spm_model, 
   assert mine == theirs and len(set(mine)) >= 5
   # Beam 4 (the searches differ: see test_beam_outputs_equal_ctranslate2s_where_...): reported.
   mine = translator.translate(sentences, beam_size=4, alpha=0.6)
-  options = export_ctranslate2.translation_options(max(caps) + 1, beam_size=4)
+  options = ctranslate2_runtime.translation_options(max(caps) + 1, beam_size=4)
   results = reference.translate_batch(source, **options)
-  best = [export_ctranslate2.gnmt_best(r.hypotheses, r.scores, 0.6) for r in results]
+  best = [ctranslate2_runtime.gnmt_best(r.hypotheses, r.scores, 0.6) for r in results]
   ended = [i for i, cap in enumerate(caps) if len(best[i]) < cap - 1]  # Ours force EOS there.
   equal = sum(mine[i] == processor.decode(best[i]) for i in ended)
   print(f'workdir translations, beam 4: {equal}/{len(ended)} equal where CTranslate2 ended')
@@ -637,7 +642,7 @@ def test_unsupported_models_are_one_line_errors(name, tmp_path):
   if change is not None:
     change(npz, arrays)
   with pytest.raises(UserInputError, match=f'^{re.escape(npz)}: {message}') as error:
-    marian.import_marian(npz, str(tmp_path / 'vocab.yml'), str(tmp_path / 'none.spm'))
+    marian.read_model(npz, str(tmp_path / 'vocab.yml'), str(tmp_path / 'none.spm'))
   assert '\n' not in str(error.value)
 
 
@@ -651,7 +656,7 @@ def test_nul_padded_options_and_legacy_layouts_are_read(spm_model, tmp_path):
     npz, pad_meta=True, tied_embeddings='none', legacy_output_w=True, logits_bias=False
   )
   assert arrays['special:model.yml'].size % 256 == 0
-  config, params, _, origin, _ = marian.import_marian(npz, vocab, spm_path)
+  config, params, _, origin, _ = marian.read_model(npz, vocab, spm_path)
   assert not config.share_embeddings and origin['mapped']['embeddings'] == 'none'
   assert config.vocab_size == 12 + origin['mapped']['pieces_appended_as_unk']
   ids = marian.our_ids(10)
@@ -661,7 +666,7 @@ def test_nul_padded_options_and_legacy_layouts_are_read(spm_model, tmp_path):
   assert not params['logits_bias'][ids].any()
   for version, activation in (('v1.12.2 ab 2023-02-27', 'gelu_sigmoid'), ('v1.12.3 cd', 'gelu')):
     _tiny(npz, activation='gelu', extra_config={'version': version})
-    assert marian.import_marian(npz, vocab, spm_path)[0].ffn_activation == activation
+    assert marian.read_model(npz, vocab, spm_path)[0].ffn_activation == activation
 
 
 def test_vocabulary_mistakes_are_one_line_errors(spm_model, tmp_path):
@@ -670,14 +675,14 @@ def test_vocabulary_mistakes_are_one_line_errors(spm_model, tmp_path):
   vocab = str(tmp_path / 'vocab.yml')
   _tiny(npz)
   with pytest.raises(UserInputError, match='needs --spm=source.spm'):
-    marian.import_marian(npz, vocab)
+    marian.read_model(npz, vocab)
   marian_npz.write_vocab_yml(vocab, marian_npz.make_tokens(11))
   with pytest.raises(UserInputError, match=f'^{vocab}: 11 pieces, but the model {npz} has 10$'):
-    marian.import_marian(npz, vocab, spm_path)
+    marian.read_model(npz, vocab, spm_path)
   with open(vocab, 'w') as f:
     f.write('</s>: 0\n<unk>: 1\na: 2\nb: 2\n')
   with pytest.raises(UserInputError, match=f"^{vocab}: line 4: bad or repeated id '2'$"):
-    marian.import_marian(npz, vocab, spm_path)
+    marian.read_model(npz, vocab, spm_path)
   other = tmp_path / 'other'
   other.mkdir()
   _tiny(str(other / 'model.npz'), tied_embeddings='target')
@@ -687,4 +692,4 @@ def test_vocabulary_mistakes_are_one_line_errors(spm_model, tmp_path):
   )
   os.remove(other / 'vocab.yml')
   with pytest.raises(UserInputError, match='separate source and target vocabularies'):
-    marian.import_marian(str(other))
+    marian.read_model(str(other))

@@ -1,4 +1,4 @@
-"""A workdir made from a pretrained model (`imported_workdir`): it translates as the model it
+"""A workdir made from a pretrained model (`workdir.imported`): it translates as the model it
 was written from, and train.py fine-tunes it (loss falls), checkpoints and resumes, keeping the
 imported architecture whatever the command line says."""
 
@@ -14,14 +14,18 @@ import pytest
 import sentencepiece
 import tensorflow_datasets as tfds
 
-from transformer_jax import averaging, export_ctranslate2, imported_workdir, metrics, train_lib
-from transformer_jax.config import TransformerConfig
+from transformer_jax.checkpoints import averaging
+from transformer_jax.common.errors import UserInputError
 from transformer_jax.data import input_pipeline, number_words
 from transformer_jax.data.tokenizer import EOS_ID, Tokenizer
-from transformer_jax.errors import UserInputError
-from transformer_jax.inference import Translator
-from transformer_jax.models import Transformer
-from transformer_jax.workdir import Workdir
+from transformer_jax.evaluation import test_set
+from transformer_jax.exporters import ctranslate2_runtime, ctranslate2_spec
+from transformer_jax.importers import workdir_writer
+from transformer_jax.inference.translator import Translator
+from transformer_jax.model.config import TransformerConfig
+from transformer_jax.model.transformer import Transformer
+from transformer_jax.training import loop
+from transformer_jax.workdir.layout import Workdir
 
 from conftest import tiny_config
 
@@ -78,7 +82,7 @@ def _shuffled_scores(vocabulary: bytes) -> Tokenizer:
 
 def _write(pretrained, workdir, **kwargs):
   config, params, vocabulary = pretrained
-  imported_workdir.write(str(workdir), config, params, vocabulary, {'format': 'test'}, **kwargs)
+  workdir_writer.write(str(workdir), config, params, vocabulary, {'format': 'test'}, **kwargs)
 
 
 def test_an_imported_workdir_translates_as_the_model_it_was_written_from(pretrained, tmp_path):
@@ -91,16 +95,16 @@ def test_an_imported_workdir_translates_as_the_model_it_was_written_from(pretrai
   direct = Translator(config, params, Tokenizer(vocabulary), batch_size=4)
   assert loaded.translate(SENTENCES) == direct.translate(SENTENCES)
   # Exported as any workdir: CTranslate2 translates it as ours (greedy).
-  out = export_ctranslate2.export(str(tmp_path / 'imported'), str(tmp_path / 'ct2'))
+  out = ctranslate2_spec.export(str(tmp_path / 'imported'), str(tmp_path / 'ct2'))
   ct2 = ctranslate2.Translator(out, intra_threads=1)
   processor = sentencepiece.SentencePieceProcessor(model_proto=vocabulary)
-  greedy = export_ctranslate2.translate(ct2, processor, SENTENCES, max_len=32, beam_size=1)
+  greedy = ctranslate2_runtime.translate(ct2, processor, SENTENCES, max_len=32, beam_size=1)
   assert greedy == loaded.translate(SENTENCES, beam_size=1)
   # `evaluate` scores it: BLEU is reported (config.json's dataset is 'text'; these one-word
   # outputs have no 4-grams, so it is 0), its hypotheses are ours.
   (tmp_path / 'src.txt').write_text('\n'.join(SENTENCES) + '\n')
   (tmp_path / 'ref.txt').write_text('\n'.join(loaded.translate(SENTENCES)) + '\n')
-  scores = metrics.evaluate_files(
+  scores = test_set.evaluate_files(
     str(tmp_path / 'imported'), str(tmp_path / 'src.txt'), str(tmp_path / 'ref.txt')
   )
   assert (scores['exact_match'], scores['chrf']) == (1.0, 100.0) and 'bleu' in scores, scores
@@ -121,7 +125,7 @@ def test_writing_refuses_what_it_would_damage(pretrained, tmp_path):
   _write(pretrained, tmp_path / 'again', force=True)
   config, params, vocabulary = pretrained
   with pytest.raises(ValueError, match='missing'):
-    imported_workdir.write(
+    workdir_writer.write(
       str(tmp_path / 'partial'),
       config,
       {'encoder_layers': params['encoder_layers']},
@@ -147,7 +151,7 @@ def test_train_py_fine_tunes_the_imported_model_then_resumes(
   config.num_train_steps = config.checkpoint_every_steps = 40
   config.log_every_steps = 10
   with caplog.at_level(logging.INFO):
-    train_lib.train_and_evaluate(config, str(workdir))
+    loop.train_and_evaluate(config, str(workdir))
   text = caplog.text
   assert 'its architecture and vocabulary replace the config (model.d_model: 48 -> 32' in text
   assert f'fine-tuning the imported model in {workdir / "imported"}' in text
@@ -178,15 +182,36 @@ def test_train_py_fine_tunes_the_imported_model_then_resumes(
   caplog.clear()
   config.num_train_steps = 44
   with caplog.at_level(logging.INFO):
-    train_lib.train_and_evaluate(config, str(workdir))
+    loop.train_and_evaluate(config, str(workdir))
   assert 'at step 40' in caplog.text and 'fine-tuning the imported model' not in caplog.text
   # ... and another dataset is refused, as for any trained workdir.
   config.dataset = 'number_words/default'
   with pytest.raises(UserInputError, match=r'resuming with changed fields \(dataset'):
-    train_lib.train_and_evaluate(config, str(workdir))
+    loop.train_and_evaluate(config, str(workdir))
   # `average` (nothing to average in a fresh import) works once fine-tuning has checkpoints.
   assert averaging.average_checkpoints(str(workdir), last=2)['averaged_steps'] == [40, 44]
   # Translation now loads the fine-tuned parameters, no longer the imported ones.
   tuned = Translator.from_checkpoint(str(workdir)).params['shared_embedding']['embedding']
   imported = pretrained[1]['shared_embedding']['embedding']
   assert np.abs(np.asarray(tuned) - imported).max() > 1e-3
+
+
+def test_the_servers_attention_segments_targets_as_the_translator(pretrained, tmp_path):
+  """/v1/attention (`JaxEngine.attention`) on a workdir with its own target segmentation (an
+  OPUS-MT import's target.spm): the translation's pieces and maps are `Translator.attention`'s,
+  not those of the source vocabulary's segmentation."""
+  from transformer_jax.serving.jax_engine import JaxEngine
+
+  targets = _shuffled_scores(pretrained[2])
+  _write(pretrained, tmp_path / 'imported', target_vocabulary=targets.model_bytes)
+  translator = Translator.from_checkpoint(str(tmp_path / 'imported'), batch_size=4)
+  sentence = 'three hundred twenty-seven thousand'
+  expected = translator.attention(sentence, beam_size=1, alpha=0.6)
+  # The two segmentations differ on this translation, so the test can tell them apart.
+  assert targets.encode(translator.translate([sentence], 1)[0]) != translator.tokenizer.encode(
+    translator.translate([sentence], 1)[0]
+  )
+  served = JaxEngine(translator, max_batch_size=2).attention(sentence, beam_size=1, alpha=0.6)
+  assert served['target_tokens'] == expected.target_tokens
+  assert served['source_tokens'] == expected.source_tokens
+  np.testing.assert_allclose(np.asarray(served['cross_attention']), expected.cross, atol=1e-5)

@@ -6,10 +6,10 @@ import os
 import numpy as np
 import pytest
 
+from transformer_jax.common.errors import UserInputError
 from transformer_jax.data import input_pipeline
 from transformer_jax.data.tokenizer import EOS_ID, Tokenizer
-from transformer_jax.errors import UserInputError
-from transformer_jax.workdir import Workdir
+from transformer_jax.workdir.layout import Workdir
 
 from conftest import tiny_config
 

@@ -14,12 +14,12 @@ import time
 import numpy as np
 import pytest
 
-from transformer_jax import train_lib
-from transformer_jax.checkpointing import Checkpointer
+from transformer_jax.checkpoints.checkpointer import Checkpointer
+from transformer_jax.common.errors import Interrupted
 from transformer_jax.data import input_pipeline
 from transformer_jax.data.tokenizer import Tokenizer
-from transformer_jax.errors import Interrupted
-from transformer_jax.workdir import Workdir
+from transformer_jax.training import loop
+from transformer_jax.workdir.layout import Workdir
 
 from conftest import COMPILATION_CACHE_VARIABLES, REPO_ROOT, TINY_FLAGS, tiny_config
 
@@ -154,7 +154,7 @@ def test_ctrl_c_while_the_vocabulary_reads_sentences(tmp_path, data_dir, monkeyp
 
   monkeypatch.setattr(input_pipeline, 'training_sentences', interrupted_at_the_100th)
   with pytest.raises(Interrupted) as raised:
-    train_lib.train_and_evaluate(tiny_config(data_dir), str(tmp_path))
+    loop.train_and_evaluate(tiny_config(data_dir), str(tmp_path))
   assert str(raised.value) == _message('SIGINT') and raised.value.signum == signal.SIGINT
   assert sorted(os.listdir(tmp_path)) == ['.lock']  # No vocabulary, config or cache.
   _check_complete(tmp_path)
@@ -163,7 +163,7 @@ def test_ctrl_c_while_the_vocabulary_reads_sentences(tmp_path, data_dir, monkeyp
 
 _LONG_C_CALL = """
 import hashlib, threading
-from transformer_jax.preemption import PreemptionFlag
+from transformer_jax.training.preemption import PreemptionFlag
 with PreemptionFlag(grace_seconds=1.0):
   # Said from another thread once the main one is well inside the call.
   threading.Timer(0.5, print, ['computing'], {'flush': True}).start()
@@ -194,10 +194,8 @@ def test_a_signal_during_a_long_c_call_ends_the_process_after_the_grace():
 
 
 @pytest.fixture(scope='module')
-def trained(tmp_path_factory, data_dir):
-  workdir = str(tmp_path_factory.mktemp('trained'))
-  train_lib.train_and_evaluate(tiny_config(data_dir), workdir)
-  return workdir
+def trained(tiny_workdir):
+  return tiny_workdir  # The session's shared workdir (conftest.py): translate only reads it.
 
 
 def _translate(workdir, stdin):

@@ -1,11 +1,11 @@
-"""Tests for transformer_jax.losses against explicit NumPy definitions (tiny; CPU)."""
+"""Tests for transformer_jax.training.losses against explicit NumPy definitions (tiny; CPU)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer_jax.losses import label_smoothed_cross_entropy
+from transformer_jax.training.losses import label_smoothed_cross_entropy
 
 V = 7
 

@@ -1,7 +1,7 @@
 """Our model -> Marian .npz -> import_marian: the same model (tests/marian_npz.py's inverse).
 
 A small random model of ours with Marian's switches is written as an OPUS-MT folder by
-`marian_npz.write_marian_model_from_params` and read back by `marian.import_marian`:
+`marian_export.write_marian_model_from_params` and read back by `marian.read_model`:
   * with zero PAD and BOS embedding rows and MASKED_LOGIT_BIAS on their logits (what an
     imported model has), every parameter comes back bit for bit, and the vocabulary segments
     text into the same ids;
@@ -20,16 +20,16 @@ import types
 import ctranslate2
 import jax
 import jax.numpy as jnp
-import marian_npz
-import marian_npz_check
 import numpy as np
 import pytest
 from flax import linen as nn
 
-from transformer_jax import inference, marian
-from transformer_jax.config import TransformerConfig
 from transformer_jax.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
-from transformer_jax.models import Transformer
+from transformer_jax.importers import marian
+from transformer_jax.inference import decoding
+from transformer_jax.model.config import TransformerConfig
+from transformer_jax.model.transformer import Transformer
+from transformer_jax.testing import marian_export, marian_npz_check, marian_reference
 
 WORDS = (
   'the cat sat on the mat while two dogs ran quickly over green hills and into deep valleys '
@@ -119,8 +119,8 @@ def case(request, vocabulary, tmp_path_factory):
   config = _config(**VARIANTS[request.param])
   params = _random_params(config, seed=len(request.param))
   directory = str(tmp_path_factory.mktemp('marian'))
-  files = marian_npz.write_marian_model_from_params(directory, params, config, vocabulary[0])
-  imported = marian.import_marian(directory, max_len=MAX_LEN)
+  files = marian_export.write_marian_model_from_params(directory, params, config, vocabulary[0])
+  imported = marian.read_model(directory, max_len=MAX_LEN)
   rng = np.random.default_rng(1)
   marian_ids = [list(rng.integers(1, VOCAB - 2, rng.integers(1, 12))) for _ in range(60)]
   return types.SimpleNamespace(
@@ -155,8 +155,8 @@ def test_the_import_gives_back_every_parameter_and_the_vocabulary(case, vocabula
 def test_pad_and_bos_are_the_only_changes_and_change_no_other_logit(vocabulary, tmp_path):
   config = _config(ffn_activation='swish')
   params = _random_params(config, seed=3, zero_pad=False)  # A PAD row, PAD/BOS biases.
-  marian_npz.write_marian_model_from_params(str(tmp_path), params, config, vocabulary[0])
-  back = marian.import_marian(str(tmp_path), max_len=MAX_LEN)[1]
+  marian_export.write_marian_model_from_params(str(tmp_path), params, config, vocabulary[0])
+  back = marian.read_model(str(tmp_path), max_len=MAX_LEN)[1]
   table, bias = back['shared_embedding']['embedding'], back['logits_bias']
   assert not table[[PAD_ID, BOS_ID]].any()
   assert (bias[[PAD_ID, BOS_ID]] == marian.MASKED_LOGIT_BIAS).all()
@@ -178,7 +178,7 @@ def test_pad_and_bos_are_the_only_changes_and_change_no_other_logit(vocabulary, 
   assert difference < 1e-6
   params['shared_embedding']['embedding'][BOS_ID] = 0.5
   with pytest.raises(ValueError, match='BOS embedding row is not zero'):
-    marian_npz.marian_arrays_from_params(params, config)
+    marian_export.marian_arrays_from_params(params, config)
 
 
 def test_marian_and_ctranslate2_compute_our_model_from_the_npz(case, tmp_path):
@@ -190,7 +190,9 @@ def test_marian_and_ctranslate2_compute_our_model_from_the_npz(case, tmp_path):
     float(
       np.max(
         np.abs(
-          marian_npz.log_softmax(marian_npz.marian_reference_logits(case.files.arrays, [*s, 0], t))
+          marian_reference.log_softmax(
+            marian_reference.marian_reference_logits(case.files.arrays, [*s, 0], t)
+          )
           - log_probs[r, : len(t) + 1][:, case.ids]
         )
       )
@@ -210,7 +212,7 @@ def test_marian_and_ctranslate2_compute_our_model_from_the_npz(case, tmp_path):
     float(np.max(np.abs(np.array(result.log_probs) - o))) for result, o in zip(scores, ours)
   )
   greedy = np.asarray(
-    jax.jit(lambda p, s: inference.greedy_decode(case.model, p, s, max_decode_len=20))(
+    jax.jit(lambda p, s: decoding.greedy_decode(case.model, p, s, max_decode_len=20))(
       case.params, src
     )
   )

@@ -1,4 +1,5 @@
-"""Tests for transformer_jax.models, .config and the model side of .inference (tiny; CPU).
+"""Tests for transformer_jax.model (transformer, config) and the model side of inference (tiny;
+CPU).
 
 Random parameters come from `jax.eval_shape(model.init)` filled with NumPy noise: on CPU,
 compiling the model's real (threefry) initialiser takes several seconds per config, while the
@@ -15,20 +16,23 @@ import pytest
 from flax import traverse_util
 from flax.linen import meta
 
-from transformer_jax import inference, matmul
-from transformer_jax.config import TransformerConfig
 from transformer_jax.data.tokenizer import BOS_ID, EOS_ID
-from transformer_jax.models import (
+from transformer_jax.inference import decoding
+from transformer_jax.model import matmul
+from transformer_jax.model.config import TransformerConfig
+from transformer_jax.model.inputs import (
   PAD_ID,
+  causal_padding_mask,
+  padding_mask,
+  sinusoidal_positions,
+)
+from transformer_jax.model.transformer import (
   FeedForward,
   MultiHeadAttention,
   Projection,
   Transformer,
-  causal_padding_mask,
   count_params,
   dot_product_attention_weights,
-  padding_mask,
-  sinusoidal_positions,
 )
 
 VOCAB = 40  # distinct from every other dimension, so shape checks can find it
@@ -505,7 +509,7 @@ def test_xla_attention_impl_gives_the_same_logits_gradients_and_cache():
   src = np.array([[5, 6, 7, 8, 0, 0], [9, 4, 3, 12, 20, 11]], np.int32)
   decoded = [
     np.asarray(
-      jax.jit(functools.partial(inference.greedy_decode, Transformer(c), max_decode_len=10))(
+      jax.jit(functools.partial(decoding.greedy_decode, Transformer(c), max_decode_len=10))(
         params, src
       )
     )
@@ -569,7 +573,7 @@ def test_cached_decoding_equals_full_decode():
   @jax.jit
   def cached_logits(params, src, tgt):
     encoded = model.apply({'params': params}, src, method=Transformer.encode)
-    cache = inference.init_cache(model, params, encoded, src, max_decode_len)
+    cache = decoding.init_cache(model, params, encoded, src, max_decode_len)
 
     def step(cache, token):  # token [b]
       logits, variables = model.apply(
@@ -612,7 +616,7 @@ def test_greedy_decode_cached_equals_uncached(share_embeddings, seed):
   outputs = {}
   for use_cache in (True, False):
     decode_fn = jax.jit(
-      functools.partial(inference.greedy_decode, model, max_decode_len=12, use_cache=use_cache)
+      functools.partial(decoding.greedy_decode, model, max_decode_len=12, use_cache=use_cache)
     )
     outputs[use_cache] = np.asarray(decode_fn(params, src))
   assert outputs[True].shape == (2, 12)

@@ -12,7 +12,7 @@ import time
 import jax
 import numpy as np
 
-from transformer_jax.inference import Translator
+from transformer_jax.inference.translator import Translator
 
 from conftest import REPO_ROOT
 

@@ -195,10 +195,15 @@ def test_category_of_rejects_out_of_range():
     nw.category_of(-1)
 
 
+def _in_split(n: int, split: str) -> bool:
+  # The lexicon numbers belong to every split; the others to the one `split_of` names.
+  return n < nw.LEXICON_LIMIT or nw.split_of(n) == split
+
+
 def test_numbers_below_100_are_in_every_split_and_the_rest_in_one():
-  assert all(nw._in_split(n, split) for n in range(100) for split in nw.SPLITS)
+  assert all(_in_split(n, split) for n in range(100) for split in nw.SPLITS)
   for n in range(100, 5000):
-    assert [nw._in_split(n, split) for split in nw.SPLITS].count(True) == 1, n
+    assert [_in_split(n, split) for split in nw.SPLITS].count(True) == 1, n
 
 
 def test_round_numbers_are_enumerated_exactly():
@@ -219,7 +224,7 @@ def test_training_draws_every_category_by_its_weight():
   assert numbers == nw.sample_numbers('train', 40_000, seed=0)
   assert numbers[:1000] == nw.sample_numbers('train', 1000, seed=0)  # A prefix.
   assert numbers != nw.sample_numbers('train', 40_000, seed=1)
-  assert all(nw._in_split(n, 'train') for n in numbers)
+  assert all(_in_split(n, 'train') for n in numbers)
   counts = collections.Counter(nw.category_of(n) for n in numbers)
   assert set(counts) == set(nw.CATEGORIES)
   for category, weight in nw.TRAIN_WEIGHTS.items():
@@ -236,7 +241,7 @@ def test_evaluation_splits_hold_distinct_numbers_of_every_category(split):
   numbers = nw.sample_numbers(split, 2_000, seed=0)
   assert numbers == nw.sample_numbers(split, 2_000, seed=0)
   assert len(numbers) == len(set(numbers)) == 2_000
-  assert all(nw._in_split(n, split) for n in numbers)
+  assert all(_in_split(n, split) for n in numbers)
   counts = collections.Counter(nw.category_of(n) for n in numbers)
   # All of 0..99, every round number the split owns (fewer than its 10% share), then shares.
   round_owned = sum(len(pool) for pool in nw._round_numbers(split).values())
@@ -255,7 +260,7 @@ def test_evaluation_splits_hold_distinct_numbers_of_every_category(split):
 
 
 def test_the_default_test_split_sizes():
-  # What README's per-category table rests on (seed 0, 2,000 test sentences).
+  # What docs/training.md's per-category table rests on (seed 0, 2,000 test sentences).
   counts = collections.Counter(nw.category_of(n) for n in nw.sample_numbers('test', 2000, 0))
   assert dict(counts) == {
     'zero': 1,

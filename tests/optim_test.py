@@ -1,4 +1,4 @@
-"""Tests for transformer_jax.optim: the paper's schedule and Adam settings (tiny; CPU)."""
+"""Tests for transformer_jax.training.optim: the paper's schedule and Adam settings (tiny; CPU)."""
 
 import jax
 import jax.numpy as jnp
@@ -6,7 +6,7 @@ import numpy as np
 import optax
 import pytest
 
-from transformer_jax.optim import make_optimizer, rsqrt_schedule, with_cooldown
+from transformer_jax.training.optim import make_optimizer, rsqrt_schedule, with_cooldown
 
 
 def _paper_lr(step, d_model=512, warmup=4000, scale=1.0):

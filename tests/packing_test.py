@@ -16,14 +16,15 @@ import optax
 import pytest
 from flax.linen import meta
 
-from transformer_jax import train_lib
-from transformer_jax.config import TransformerConfig
 from transformer_jax.data import batching, input_pipeline
 from transformer_jax.data.batching import PackedPlan, TokenBudgetPlan, make_packed_iterator
 from transformer_jax.data.input_pipeline import TokenizedSplit
 from transformer_jax.data.tokenizer import BOS_ID, EOS_ID
-from transformer_jax.losses import label_smoothed_cross_entropy
-from transformer_jax.models import Transformer, segment_positions, sinusoidal_positions
+from transformer_jax.model.config import TransformerConfig
+from transformer_jax.model.inputs import segment_positions, sinusoidal_positions
+from transformer_jax.model.transformer import Transformer
+from transformer_jax.training import step as training_step
+from transformer_jax.training.losses import label_smoothed_cross_entropy
 
 VOCAB = 40
 CFG = TransformerConfig(
@@ -129,7 +130,7 @@ def _forward():
 def _logits(params, batch):
   """Logits of a (packed or plain) batch, decoder inputs shifted per segment if packed."""
   packing = batching.packing_model_args(batch)
-  tgt_in = train_lib.shift_right(batch['targets'], packing.get('tgt_segment_ids'))
+  tgt_in = training_step.shift_right(batch['targets'], packing.get('tgt_segment_ids'))
   return np.asarray(_forward()(params, batch['inputs'], tgt_in, packing))
 
 
@@ -189,15 +190,15 @@ def test_shift_right_restarts_per_segment():
   segments = np.array([[1, 1, 1, 2, 2, 3, 3, 3, 0, 0], [1, 1, 1, 1, 2, 2, 0, 0, 0, 0]], np.int32)
   B = BOS_ID
   expected = [[B, 5, 6, B, 7, B, 8, 9, 0, 0], [B, 3, 4, 5, B, 6, 0, 0, 0, 0]]
-  np.testing.assert_array_equal(train_lib.shift_right(targets, segments), expected)
+  np.testing.assert_array_equal(training_step.shift_right(targets, segments), expected)
   # Without segment ids: unchanged (the previous example's EOS runs into the next position).
   np.testing.assert_array_equal(
-    train_lib.shift_right(targets[:1]), [[B, 5, 6, 1, 7, 1, 8, 9, 1, 0]]
+    training_step.shift_right(targets[:1]), [[B, 5, 6, 1, 7, 1, 8, 9, 1, 0]]
   )
   # One example per row: the same as the plain shift at every real position.
   single = (targets[:, :4] != 0).astype(np.int32)
   np.testing.assert_array_equal(
-    train_lib.shift_right(targets[:, :4], single), train_lib.shift_right(targets[:, :4])
+    training_step.shift_right(targets[:, :4], single), training_step.shift_right(targets[:, :4])
   )
 
 
@@ -300,13 +301,16 @@ def test_train_step_packed_equals_unpacked():
   model = Transformer(CFG)
   step = jax.jit(
     functools.partial(
-      train_lib.train_step, model=model, learning_rate_fn=lambda s: 1e-3, label_smoothing=SMOOTHING
+      training_step.train_step,
+      model=model,
+      learning_rate_fn=lambda s: 1e-3,
+      label_smoothing=SMOOTHING,
     ),
     compiler_options=FAST_COMPILE,
   )
 
   def state():
-    return train_lib.TrainState.create(
+    return training_step.TrainState.create(
       apply_fn=model.apply,
       params=params,
       tx=optax.adam(1e-3),
@@ -328,7 +332,7 @@ def test_train_step_packed_equals_unpacked():
   assert float(packed_metrics['correct_tokens']) == float(plain_metrics['correct_tokens'])
   # eval_step agrees with the train step's loss on the packed batch (dropout is 0).
   eval_metrics = jax.jit(
-    functools.partial(train_lib.eval_step, model=model, label_smoothing=SMOOTHING),
+    functools.partial(training_step.eval_step, model=model, label_smoothing=SMOOTHING),
     compiler_options=FAST_COMPILE,
   )(params, packed)
   np.testing.assert_allclose(

@@ -17,7 +17,8 @@ import pytest
 from flax import traverse_util
 from flax.linen import meta
 
-from transformer_jax import Transformer, TransformerConfig, models
+from transformer_jax import Transformer, TransformerConfig
+from transformer_jax.model import inputs as model_inputs
 
 # The model runs in float32 through 4 layers: its logits (|logits| < ~5) are within ~1e-6 of
 # the float64 equations, up to ~9e-6 with dropout's 1 / (1 - rate) scaling.
@@ -326,7 +327,7 @@ def test_ffn_is_relu_between_two_biased_linear_maps():
 def test_embeddings_are_scaled_plus_sinusoids_and_shared_with_the_output_layer():
   """Paper 3.4/3.5: E[id] * sqrt(d_model) + PE, PE interleaving sin (even features) and cos
   (odd); with share_embeddings one matrix E embeds both sides and gives logits = h E^T."""
-  table = np.asarray(models.sinusoidal_positions(jnp.arange(6)[None], CFG.d_model)[0])
+  table = np.asarray(model_inputs.sinusoidal_positions(jnp.arange(6)[None], CFG.d_model)[0])
   np.testing.assert_allclose(table, _sinusoids(6, CFG.d_model), atol=1e-6, rtol=0)
   _assert_far(table, _sinusoids(6, CFG.d_model, 'concat'), 'sines-then-cosines layout')
   # One vocabulary-sized matrix in the whole tree: input and output embeddings are shared.

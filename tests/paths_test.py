@@ -6,9 +6,9 @@ import pathlib
 
 import pytest
 
-from transformer_jax import paths
-from transformer_jax.errors import UserInputError
-from transformer_jax.workdir import Workdir
+from transformer_jax.common import paths
+from transformer_jax.common.errors import UserInputError
+from transformer_jax.workdir.layout import Workdir
 
 
 def test_local_paths_become_absolute(tmp_path, monkeypatch):

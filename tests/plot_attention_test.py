@@ -5,9 +5,9 @@ import functools
 import numpy as np
 import pytest
 
-from transformer_jax import attention_plots
-from transformer_jax.errors import UserInputError
-from transformer_jax.inference import Translator
+from transformer_jax.common.errors import UserInputError
+from transformer_jax.inference import attention_plots
+from transformer_jax.inference.translator import Translator
 
 from conftest import random_weight_translator
 

@@ -7,10 +7,10 @@ import sys
 
 import pytest
 
-from transformer_jax import run_config
+from transformer_jax.common.errors import UserInputError
 from transformer_jax.configs import default
 from transformer_jax.data import input_pipeline, tfds_prepare
-from transformer_jax.errors import UserInputError
+from transformer_jax.training import run_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

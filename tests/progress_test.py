@@ -13,12 +13,15 @@ import optax
 import pytest
 from flax.training import train_state
 
-from transformer_jax import inference, metrics, progress
-from transformer_jax.averaging import average_checkpoints
-from transformer_jax.checkpointing import Checkpointer
+from transformer_jax.checkpoints.averaging import average_checkpoints
+from transformer_jax.checkpoints.checkpointer import Checkpointer
+from transformer_jax.common import progress
+from transformer_jax.common.progress import Progress
 from transformer_jax.data import input_pipeline, number_words
 from transformer_jax.data.tokenizer import Tokenizer
-from transformer_jax.progress import Progress
+from transformer_jax.evaluation import test_set
+from transformer_jax.inference import text_files
+from transformer_jax.inference import translator as inference_translator
 
 from conftest import random_weight_translator
 
@@ -42,8 +45,8 @@ class NotTerminal(io.StringIO):
 
 
 def _logged(caplog) -> list[str]:
-  """Lines logged through metric_writers.log (absl, process 0)."""
-  return [r.getMessage() for r in caplog.records if r.filename == 'metric_writers.py']
+  """Lines logged through common.log.log (absl, process 0)."""
+  return [r.getMessage() for r in caplog.records if r.filename == 'log.py']
 
 
 @pytest.fixture
@@ -264,11 +267,11 @@ def test_translate_reports_sentences_by_batch_only_when_asked(translator, caplog
 
 def test_translate_and_evaluate_files_report(translator, caplog, monkeypatch, tmp_path):
   caplog.set_level(logging.INFO, logger='absl')
-  monkeypatch.setattr(inference.Translator, 'from_checkpoint', lambda *args: translator)
+  monkeypatch.setattr(inference_translator.Translator, 'from_checkpoint', lambda *args: translator)
   source = tmp_path / 'source.txt'
   source.write_text('\n'.join(LINES) + '\n')
   output = tmp_path / 'output.txt'
-  inference.translate_text('unused', beam_size=1, input_path=str(source), output_path=str(output))
+  text_files.translate_text('unused', beam_size=1, input_path=str(source), output_path=str(output))
   assert len(output.read_text().splitlines()) == 20
   (line,) = _logged(caplog)
   assert line.startswith('translating: 20/20 sentences (100%)')
@@ -276,12 +279,12 @@ def test_translate_and_evaluate_files_report(translator, caplog, monkeypatch, tm
   caplog.clear()
   stdin = _TypedLines([b'one\n', b'two\n'])
   out = io.StringIO()
-  inference.translate_text('unused', beam_size=1, stdin=stdin, stdout=out)
+  text_files.translate_text('unused', beam_size=1, stdin=stdin, stdout=out)
   assert len(out.getvalue().splitlines()) == 2
   assert _logged(caplog) == []
   # evaluate: the test set's sentences.
   caplog.clear()
-  result = metrics.evaluate_files(
+  result = test_set.evaluate_files(
     'unused', str(source), str(source), out=str(tmp_path / 'hyp.txt'), beam_size=1
   )
   assert result['sentences'] == 20

@@ -16,10 +16,11 @@ import numpy as np
 import optax
 import pytest
 
-from transformer_jax import train_lib
-from transformer_jax.checkpointing import Checkpointer
-from transformer_jax.errors import NonFiniteError, UserInputError
-from transformer_jax.workdir import Workdir
+from transformer_jax.checkpoints.checkpointer import Checkpointer
+from transformer_jax.common.errors import NonFiniteError, UserInputError
+from transformer_jax.training import loop, trainer
+from transformer_jax.training import step as training_step
+from transformer_jax.workdir.layout import Workdir
 
 from conftest import REPO_ROOT, TINY_FLAGS, tiny_config
 
@@ -40,7 +41,7 @@ class _ScaledModel:
 
 def _state():
   params = {'w': jnp.linspace(-1.0, 1.0, 8)}
-  return train_lib.TrainState.create(
+  return training_step.TrainState.create(
     apply_fn=None,
     params=params,
     tx=optax.adam(1e-2),
@@ -59,7 +60,7 @@ def _batch(first_token):
 
 def test_nonfinite_step_is_skipped_and_counted():
   step = jax.jit(
-    lambda s, b: train_lib.train_step(
+    lambda s, b: training_step.train_step(
       s, b, model=_ScaledModel(), learning_rate_fn=lambda count: 1e-2, label_smoothing=0.1
     )
   )
@@ -92,7 +93,7 @@ def test_diverging_run_stops_naming_the_steps_and_keeps_finite_checkpoints(tmp_p
   config.max_consecutive_nonfinite_steps = 3
   config.checkpoint_every_steps = 2
   with pytest.raises(NonFiniteError, match=r'NaN/Inf for 3 consecutive steps'):
-    train_lib.train_and_evaluate(config, str(tmp_path))
+    loop.train_and_evaluate(config, str(tmp_path))
   with Checkpointer(str(tmp_path / 'checkpoints'), async_save=False) as checkpointer:
     steps = checkpointer.all_steps()
   assert max(steps, default=0) < 40
@@ -101,11 +102,11 @@ def test_diverging_run_stops_naming_the_steps_and_keeps_finite_checkpoints(tmp_p
 def test_second_run_on_a_locked_workdir_is_refused(tmp_path, data_dir):
   with Workdir(str(tmp_path)).lock():
     with pytest.raises(UserInputError, match='is in use by a running training process'):
-      train_lib.train_and_evaluate(tiny_config(data_dir), str(tmp_path))
+      loop.train_and_evaluate(tiny_config(data_dir), str(tmp_path))
   # Released: the same workdir trains now.
   config = tiny_config(data_dir)
   config.num_train_steps = 2
-  train_lib.train_and_evaluate(config, str(tmp_path))
+  loop.train_and_evaluate(config, str(tmp_path))
 
 
 def test_lock_is_released_when_its_process_is_killed(tmp_path):
@@ -114,7 +115,7 @@ def test_lock_is_released_when_its_process_is_killed(tmp_path):
       sys.executable,
       '-c',
       'import sys, time; sys.path.insert(0, sys.argv[1]);'
-      'from transformer_jax.workdir import Workdir;'
+      'from transformer_jax.workdir.layout import Workdir;'
       'lock = Workdir(sys.argv[2]).lock().acquire(); print("held", flush=True); time.sleep(60)',
       REPO_ROOT,
       str(tmp_path),
@@ -198,11 +199,10 @@ def _damage(checkpoint_dir, step, how):
 
 
 @pytest.fixture(scope='module')
-def straight_run(tmp_path_factory, data_dir):
-  """8 uninterrupted steps of the tiny config (checkpoints at 4 and 8)."""
-  workdir = str(tmp_path_factory.mktemp('straight'))
-  train_lib.train_and_evaluate(tiny_config(data_dir), workdir)
-  return workdir
+def straight_run(tiny_workdir):
+  """8 uninterrupted steps of the tiny config (checkpoints at 4 and 8): the session's shared
+  workdir (conftest.py), only read or copied here."""
+  return tiny_workdir
 
 
 def _resumed_config(data_dir):
@@ -217,8 +217,8 @@ def stopped_and_resumed_run(tmp_path_factory, data_dir):
   workdir = str(tmp_path_factory.mktemp('resumed'))
   config = tiny_config(data_dir)
   config.num_train_steps = 4
-  train_lib.train_and_evaluate(config, workdir)
-  train_lib.train_and_evaluate(_resumed_config(data_dir), workdir)
+  loop.train_and_evaluate(config, workdir)
+  loop.train_and_evaluate(_resumed_config(data_dir), workdir)
   return workdir
 
 
@@ -226,8 +226,8 @@ def stopped_and_resumed_run(tmp_path_factory, data_dir):
 def test_damaged_checkpoint_is_named_and_training_falls_back(
   tmp_path, data_dir, straight_run, stopped_and_resumed_run, how
 ):
-  from transformer_jax.errors import CorruptCheckpointError
-  from transformer_jax.inference import Translator
+  from transformer_jax.common.errors import CorruptCheckpointError
+  from transformer_jax.inference.translator import Translator
 
   config = _resumed_config(data_dir)
   damaged = str(tmp_path / 'damaged')
@@ -241,7 +241,7 @@ def test_damaged_checkpoint_is_named_and_training_falls_back(
 
   # Training again falls back to step 4 and retrains steps 5..8: the resumed run, twice over,
   # is bitwise the uninterrupted one.
-  train_lib.train_and_evaluate(config, damaged)
+  loop.train_and_evaluate(config, damaged)
   a = Translator.from_checkpoint(straight_run, 8).params
   b = Translator.from_checkpoint(damaged, 8).params
   for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
@@ -291,8 +291,10 @@ def test_read_only_places_are_one_line_errors_before_any_data_work(
     import io, sys
     sys.path.insert(0, 'tests')
     from conftest import tiny_config
-    from transformer_jax import averaging, inference, train_lib
-    from transformer_jax.errors import UserInputError
+    from transformer_jax.checkpoints import averaging
+    from transformer_jax.inference import text_files
+    from transformer_jax.training import loop
+    from transformer_jax.common.errors import UserInputError
 
     def attempt(run):
       try:
@@ -302,7 +304,7 @@ def test_read_only_places_are_one_line_errors_before_any_data_work(
         print(error)
 
     def train(workdir, data_dir):
-      train_lib.train_and_evaluate(tiny_config(data_dir), workdir)
+      loop.train_and_evaluate(tiny_config(data_dir), workdir)
 
     attempt(lambda: train({str(read_only)!r}, {data_dir!r}))
     attempt(lambda: train({str(read_only / 'new_run')!r}, {data_dir!r}))
@@ -312,10 +314,10 @@ def test_read_only_places_are_one_line_errors_before_any_data_work(
     # Reading is all translate does in a workdir.
     out = io.StringIO()
     typed = io.BytesIO(b'seven\\n')
-    inference.translate_text({str(trained)!r}, beam_size=1, stdin=typed, stdout=out)
+    text_files.translate_text({str(trained)!r}, beam_size=1, stdin=typed, stdout=out)
     print('translated', len(out.getvalue().splitlines()))
     # A prepared dataset is only read: a read-only data_dir holding it is fine (up to the loop).
-    train_lib._loop = lambda *args: print('ready to train')
+    loop._loop = lambda *args: print('ready to train')
     attempt(lambda: train({str(tmp_path / 'shared')!r}, {str(shared_data)!r}))
     """
   try:
@@ -368,61 +370,70 @@ def test_kill_9_at_random_moments_then_resume_equals_uninterrupted(tmp_path, dat
     os.environ,
     XLA_FLAGS='--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true',
   )
-  reference = subprocess.run(
-    _tiny_train_command(tmp_path / 'reference', data_dir) + flags,
-    cwd=REPO_ROOT,
-    capture_output=True,
-    text=True,
-    timeout=300,
-    env=env,
-  )
-  assert reference.returncode == 0, reference.stderr[-3000:]
-
-  workdir = tmp_path / 'killed'
-  checkpoints = workdir / 'checkpoints'
-  rng = np.random.default_rng(20261130)
-  kills, steps_at_kill, cut_saves = 0, [], 0
-  for attempt in range(5):
-    log_path = tmp_path / f'attempt{attempt}.log'
-    with open(log_path, 'w') as log:  # A file, not a pipe: nothing can block on it.
-      process = subprocess.Popen(
-        _tiny_train_command(workdir, data_dir) + flags,
-        cwd=REPO_ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=log,
-        env=env,
-      )
-    if attempt == 0:  # The first kill lands in start-up (data, vocabulary, compilation).
-      time.sleep(float(rng.uniform(1.0, 3.0)))
-    elif attempt < 4:
-      # Three more at a random moment once this attempt has completed a checkpoint of its own
-      # (so each makes progress): mid-step, mid-save or mid-deletion of an old checkpoint.
-      done_before = _latest_completed_step(checkpoints)
-      deadline = time.time() + 120
-      while _latest_completed_step(checkpoints) <= done_before and process.poll() is None:
-        assert time.time() < deadline, 'no checkpoint completed within 120 s'
-        time.sleep(0.05)
-      time.sleep(float(rng.uniform(0.0, 2.0)))
-    else:  # Then it may finish.
-      assert process.wait(timeout=300) == 0, log_path.read_text()[-3000:]
-      break
-    if process.poll() is None:
-      process.kill()  # SIGKILL: no handler runs, a save in flight is cut off.
-      kills += 1
-    process.wait()
-    cut_saves += (
-      any('tmp' in name for name in os.listdir(checkpoints)) if checkpoints.is_dir() else 0
+  # The uninterrupted reference runs alongside the killed attempts: these runs leave a core
+  # idle much of the time (start-up, compilation), and bitwise results do not depend on the
+  # load. Its log goes to a file: nothing can block on it.
+  reference_log = tmp_path / 'reference.log'
+  with open(reference_log, 'w') as log:
+    reference = subprocess.Popen(
+      _tiny_train_command(tmp_path / 'reference', data_dir) + flags,
+      cwd=REPO_ROOT,
+      stdout=subprocess.DEVNULL,
+      stderr=log,
+      env=env,
     )
-    with Checkpointer(str(checkpoints), keep=None) as checkpointer:
-      steps_at_kill.append(checkpointer.latest_step())
-  assert kills == 4, steps_at_kill
-  # Kills came after checkpoints existed, at different steps: resuming was tested each time.
-  assert len({step for step in steps_at_kill if step}) == 3, steps_at_kill
-  print(
-    f'{kills} kills ({cut_saves} left a save unfinished); latest complete checkpoint at '
-    f'each kill: {steps_at_kill}'
-  )
 
+  try:
+    workdir = tmp_path / 'killed'
+    checkpoints = workdir / 'checkpoints'
+    rng = np.random.default_rng(20261130)
+    kills, steps_at_kill, cut_saves = 0, [], 0
+    for attempt in range(5):
+      log_path = tmp_path / f'attempt{attempt}.log'
+      with open(log_path, 'w') as log:  # A file, not a pipe: nothing can block on it.
+        process = subprocess.Popen(
+          _tiny_train_command(workdir, data_dir) + flags,
+          cwd=REPO_ROOT,
+          stdout=subprocess.DEVNULL,
+          stderr=log,
+          env=env,
+        )
+      if attempt == 0:  # The first kill lands in start-up (data, vocabulary, compilation).
+        time.sleep(float(rng.uniform(1.0, 3.0)))
+      elif attempt < 4:
+        # Three more at a random moment once this attempt has completed a checkpoint of its own
+        # (so each makes progress): mid-step, mid-save or mid-deletion of an old checkpoint.
+        done_before = _latest_completed_step(checkpoints)
+        deadline = time.time() + 120
+        while _latest_completed_step(checkpoints) <= done_before and process.poll() is None:
+          assert time.time() < deadline, 'no checkpoint completed within 120 s'
+          time.sleep(0.05)
+        time.sleep(float(rng.uniform(0.0, 2.0)))
+      else:  # Then it may finish.
+        assert process.wait(timeout=300) == 0, log_path.read_text()[-3000:]
+        break
+      if process.poll() is None:
+        process.kill()  # SIGKILL: no handler runs, a save in flight is cut off.
+        kills += 1
+      process.wait()
+      cut_saves += (
+        any('tmp' in name for name in os.listdir(checkpoints)) if checkpoints.is_dir() else 0
+      )
+      with Checkpointer(str(checkpoints), keep=None) as checkpointer:
+        steps_at_kill.append(checkpointer.latest_step())
+    assert kills == 4, steps_at_kill
+    # Kills came after checkpoints existed, at different steps: resuming was tested each time.
+    assert len({step for step in steps_at_kill if step}) == 3, steps_at_kill
+    print(
+      f'{kills} kills ({cut_saves} left a save unfinished); latest complete checkpoint at '
+      f'each kill: {steps_at_kill}'
+    )
+
+    assert reference.wait(timeout=300) == 0, reference_log.read_text()[-3000:]
+  finally:
+    if reference.poll() is None:
+      reference.kill()
+      reference.wait()
   final = {}
   for name in ('reference', 'killed'):
     with Checkpointer(str(tmp_path / name / 'checkpoints'), keep=None) as checkpointer:
@@ -456,7 +467,7 @@ def _wrap_train_step(monkeypatch, before=None, after=None):
 
   Patches the Trainer class for this test only (monkeypatch undoes it).
   """
-  original = train_lib.Trainer.step
+  original = trainer.Trainer.step
 
   def step(self, state, local_batch):
     if before is not None:
@@ -466,14 +477,14 @@ def _wrap_train_step(monkeypatch, before=None, after=None):
       after(state)
     return state, metrics
 
-  monkeypatch.setattr(train_lib.Trainer, 'step', step)
+  monkeypatch.setattr(trainer.Trainer, 'step', step)
 
 
 @pytest.fixture(scope='module')
 def dropout_straight_run(tmp_path_factory, data_dir):
   """8 uninterrupted steps with dropout on."""
   workdir = str(tmp_path_factory.mktemp('dropout_straight'))
-  train_lib.train_and_evaluate(_dropout_config(data_dir), workdir)
+  loop.train_and_evaluate(_dropout_config(data_dir), workdir)
   return workdir
 
 
@@ -485,7 +496,7 @@ def dropout_stopped_run(tmp_path_factory, data_dir):
   workdir = str(tmp_path_factory.mktemp('dropout_stopped'))
   config = _dropout_config(data_dir)
   config.num_train_steps = 4
-  train_lib.train_and_evaluate(config, workdir)
+  loop.train_and_evaluate(config, workdir)
 
   steps = []
 
@@ -500,7 +511,7 @@ def dropout_stopped_run(tmp_path_factory, data_dir):
 
   with pytest.MonkeyPatch.context() as monkeypatch:
     _wrap_train_step(monkeypatch, after=sigterm_after_step_6)
-    result = train_lib.train_and_evaluate(_dropout_config(data_dir), workdir)
+    result = loop.train_and_evaluate(_dropout_config(data_dir), workdir)
   assert steps == [5, 6], steps  # Resumed from 4; stopped after 6.
   assert result.get('preempted') == 1.0 and result.get('step') == 6.0, result
   _final_params(workdir, 6)  # Checkpointed at step 6, where it stopped.
@@ -514,7 +525,7 @@ def test_resume_with_dropout_is_bitwise_the_uninterrupted_run(
   uninterrupted run's dropout masks: the parameters end bitwise equal."""
   workdir = str(tmp_path / 'resumed')
   shutil.copytree(dropout_stopped_run, workdir)
-  train_lib.train_and_evaluate(_dropout_config(data_dir), workdir)
+  loop.train_and_evaluate(_dropout_config(data_dir), workdir)
   want, got = _final_params(dropout_straight_run), _final_params(workdir)
   for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(want), jax.tree.leaves(got)):
     np.testing.assert_array_equal(y, x, err_msg=jax.tree_util.keystr(path))
@@ -537,7 +548,7 @@ def test_resume_with_another_dropout_key_is_not_the_uninterrupted_run(
     return state
 
   _wrap_train_step(monkeypatch, before=other_key_on_resume)
-  train_lib.train_and_evaluate(_dropout_config(data_dir), workdir)
+  loop.train_and_evaluate(_dropout_config(data_dir), workdir)
   assert rekeyed == [6]
   want, got = _final_params(dropout_straight_run), _final_params(workdir)
   differing = [
@@ -560,7 +571,7 @@ def test_a_checkpoint_of_another_model_is_refused_not_moved_aside(tmp_path, data
   config.model.d_ff = 128
   config.num_train_steps = 12
   with pytest.raises(UserInputError) as raised:
-    train_lib.train_and_evaluate(config, workdir)
+    loop.train_and_evaluate(config, workdir)
   message = str(raised.value)
   assert (
     message.startswith(

@@ -27,14 +27,15 @@ import jax
 import numpy as np
 import pytest
 
-from transformer_jax import serving, serving_ctranslate2, train_lib
+from transformer_jax.common.errors import UserInputError
 from transformer_jax.data import number_words
-from transformer_jax.errors import UserInputError
-from transformer_jax.inference import Translator
-from transformer_jax.serving import parse_decoding
-from transformer_jax.serving_batcher import Batcher, Closed, Engine, Metrics, QueueFull
-from transformer_jax.serving_jax import batch_buckets
-from transformer_jax.workdir import Workdir
+from transformer_jax.inference.translator import Translator
+from transformer_jax.serving import app, ctranslate2_engine
+from transformer_jax.serving.app import parse_decoding
+from transformer_jax.serving.batcher import Batcher, Closed, Engine, Metrics, QueueFull
+from transformer_jax.serving.jax_engine import batch_buckets
+from transformer_jax.training import loop
+from transformer_jax.workdir.layout import Workdir
 
 from conftest import tiny_config
 
@@ -75,7 +76,7 @@ def workdir(data_dir, tmp_path_factory):
   # Two length buckets (8 and 16 tokens) rather than three: fewer programs to compile.
   config.model.max_len = config.max_source_length = config.max_target_length = 16
   path = str(tmp_path_factory.mktemp('serve') / 'workdir')
-  train_lib.train_and_evaluate(config, path)
+  loop.train_and_evaluate(config, path)
   return path
 
 
@@ -559,27 +560,27 @@ def test_ctranslate2_metrics_health_and_no_attention(ct2_server):
 
 def test_the_ctranslate2_export_is_reused_only_for_the_same_checkpoint(workdir, tmp_path):
   default = os.fspath(Workdir(workdir).ctranslate2_export)
-  folder, restored, reused = serving_ctranslate2.prepare(workdir, None, 'int8')
+  folder, restored, reused = ctranslate2_engine.prepare(workdir, None, 'int8')
   assert (folder, reused) == (default, False)
-  assert {'model.bin', 'sentencepiece.model', serving_ctranslate2.SOURCE_FILE} <= set(
+  assert {'model.bin', 'sentencepiece.model', ctranslate2_engine.SOURCE_FILE} <= set(
     os.listdir(folder)
   )
-  record = serving_ctranslate2.read_source(folder)
+  record = ctranslate2_engine.read_source(folder)
   assert (record['quantization'], record['checkpoint']) == (
     'int8',
     'default (averaged if current, else latest)',
   )
-  assert serving_ctranslate2.prepare(workdir, 'latest', 'int8', default)[::2] == (default, True)
+  assert ctranslate2_engine.prepare(workdir, 'latest', 'int8', default)[::2] == (default, True)
   # Another weight type, or other parameters (another checkpoint), is another export.
-  assert serving_ctranslate2.prepare(workdir, None, 'float32')[2] is False
-  assert serving_ctranslate2.read_source(default)['quantization'] == 'float32'
-  digest = serving_ctranslate2.source_digest(restored, 'float32', '4.8.5')
+  assert ctranslate2_engine.prepare(workdir, None, 'float32')[2] is False
+  assert ctranslate2_engine.read_source(default)['quantization'] == 'float32'
+  digest = ctranslate2_engine.source_digest(restored, 'float32', '4.8.5')
   params = jax.tree.map(np.array, restored.params)
   params['shared_embedding']['embedding'][5, 3] += 1e-6
   other = Translator(restored.model_config, params, restored.tokenizer, batch_size=1)
-  assert serving_ctranslate2.source_digest(other, 'float32', '4.8.5') != digest
-  assert serving_ctranslate2.source_digest(restored, 'int8', '4.8.5') != digest
-  assert serving_ctranslate2.source_digest(restored, 'float32', '4.8.6') != digest
+  assert ctranslate2_engine.source_digest(other, 'float32', '4.8.5') != digest
+  assert ctranslate2_engine.source_digest(restored, 'int8', '4.8.5') != digest
+  assert ctranslate2_engine.source_digest(restored, 'float32', '4.8.6') != digest
   # A folder the server did not write is never replaced; nothing is left beside the export.
   foreign = tmp_path / 'mine'
   foreign.mkdir()
@@ -587,20 +588,20 @@ def test_the_ctranslate2_export_is_reused_only_for_the_same_checkpoint(workdir, 
   with pytest.raises(
     UserInputError, match=rf'--ctranslate2_dir={foreign} holds files the server did not write'
   ):
-    serving_ctranslate2.prepare(workdir, None, 'int8', str(foreign))
+    ctranslate2_engine.prepare(workdir, None, 'int8', str(foreign))
   assert (foreign / 'notes.txt').read_text() == 'keep me'
   assert not [name for name in os.listdir(workdir) if name.startswith('.ctranslate2_export')]
 
 
 def test_ctranslate2_only_options_are_refused_with_the_jax_engine(tmp_path):
   for options in (
-    serving.ServerOptions(quantization='int8'),
-    serving.ServerOptions(ctranslate2_dir=str(tmp_path)),
-    serving.ServerOptions(intra_threads=2),
+    app.ServerOptions(quantization='int8'),
+    app.ServerOptions(ctranslate2_dir=str(tmp_path)),
+    app.ServerOptions(intra_threads=2),
   ):
     only = '--quantization, --ctranslate2_dir and --intra_threads are for --engine=ctranslate2'
     with pytest.raises(UserInputError, match=f'^{only}$'):
-      serving.serve(str(tmp_path), options=options)
+      app.serve(str(tmp_path), options=options)
 
 
 def test_without_ctranslate2_the_engine_is_a_one_line_error(tmp_path):

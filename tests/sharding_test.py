@@ -9,7 +9,7 @@ import textwrap
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from transformer_jax import sharding
+from transformer_jax.training import sharding
 
 from conftest import REPO_ROOT
 
@@ -62,8 +62,9 @@ _PREAMBLE = textwrap.dedent("""
     assert jax.device_count() == 8, jax.devices()
     from jax.sharding import PartitionSpec as P
     from conftest import tiny_config
-    from transformer_jax import run_config, sharding, train_lib
-    from transformer_jax.checkpointing import Checkpointer
+    from transformer_jax.training import run_config, sharding
+    from transformer_jax.training.trainer import Trainer
+    from transformer_jax.checkpoints.checkpointer import Checkpointer
 
     config = tiny_config('unused')
     config.model.num_heads = 4  # d_model 32, d_ff 64, vocab 96: every sharded dim divides 8.
@@ -79,7 +80,7 @@ _PREAMBLE = textwrap.dedent("""
       layout_config.mesh_shape = mesh_shape  # By config alone, unless devices are given.
       layout_config.grad_accum_steps = grad_accum_steps
       mesh = sharding.create_mesh(mesh_shape, devices=devices) if devices else None
-      return train_lib.Trainer(layout_config, model, mesh)
+      return Trainer(layout_config, model, mesh)
 
     def specs(tree):
       return jax.tree_util.tree_map(lambda x: x.sharding.spec, tree)
@@ -317,7 +318,7 @@ def test_multiprocess_environment_is_detected(monkeypatch, name, value, several)
 
 
 def test_coordinator_address_needs_process_count_and_id():
-  from transformer_jax.errors import UserInputError
+  from transformer_jax.common.errors import UserInputError
 
   with pytest.raises(UserInputError, match='--coordinator_address needs --num_processes'):
     sharding.initialize_distributed('127.0.0.1:1234', num_processes=2)

@@ -10,8 +10,8 @@ import time
 import pytest
 import tensorflow_datasets as tfds
 
+from transformer_jax.common.errors import UserInputError
 from transformer_jax.data import text_dataset as td
-from transformer_jax.errors import UserInputError
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MULTI30K = os.path.join(REPO_ROOT, '..', 'shared', 'data', 'multi30k')

@@ -24,9 +24,11 @@ import threading
 
 import pytest
 
-from transformer_jax import attention_plots, metrics, text_io
-from transformer_jax.errors import UserInputError
-from transformer_jax.inference import translate_text
+from transformer_jax.common import text_io
+from transformer_jax.common.errors import UserInputError
+from transformer_jax.evaluation import test_set
+from transformer_jax.inference import attention_plots
+from transformer_jax.inference.text_files import translate_text
 
 from conftest import REPO_ROOT
 
@@ -118,7 +120,7 @@ def test_dev_stdout_is_written_where_the_shell_points_it(tmp_path):
   log.write_text('earlier\n')
   code = """
     import sys
-    from transformer_jax import text_io
+    from transformer_jax.common import text_io
     print('printed first', flush=True)
     text_io.check_writable_output('/dev/stdout', '--output')
     text_io.write_lines(['eins', 'zwei'], '/dev/stdout')
@@ -151,7 +153,7 @@ def test_a_write_the_file_system_refuses_midway_leaves_no_temporary_file(tmp_pat
   target.write_text('old\n')
   code = f"""
     import resource, signal
-    from transformer_jax import text_io
+    from transformer_jax.common import text_io
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of being killed.
     resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
     text_io.write_lines(['x' * 99] * 100, {str(target)!r})
@@ -178,7 +180,7 @@ def _translate(workdir, out):
 def _evaluate(workdir, out):
   src = workdir.parent / 'test.en'
   src.write_text('one\n')
-  metrics.evaluate_files(str(workdir), str(src), str(src), out=str(out))
+  test_set.evaluate_files(str(workdir), str(src), str(src), out=str(out))
 
 
 def _plot(workdir, out):
@@ -303,8 +305,9 @@ def test_permission_problems_are_one_line_errors_before_any_work(tmp_path):
   os.chmod(read_only_folder, 0o555)
   os.chmod(workdir, 0o555)
   code = f"""
-    from transformer_jax import metrics, text_io
-    from transformer_jax.errors import UserInputError
+    from transformer_jax.common import text_io
+    from transformer_jax.evaluation import test_set
+    from transformer_jax.common.errors import UserInputError
     def attempt(run):
       try:
         run()
@@ -316,8 +319,8 @@ def test_permission_problems_are_one_line_errors_before_any_work(tmp_path):
     attempt(lambda: text_io.check_writable_output(
       {str(read_only_folder / 'writable.txt')!r}, '--out'))
     attempt(lambda: text_io.check_readable_file({str(secret)!r}, '--input'))
-    attempt(lambda: metrics.evaluate_files({str(workdir)!r}, {str(source)!r}, {str(secret)!r}))
-    attempt(lambda: metrics.evaluate_files({str(workdir)!r}, {str(source)!r}, {str(source)!r}))
+    attempt(lambda: test_set.evaluate_files({str(workdir)!r}, {str(source)!r}, {str(secret)!r}))
+    attempt(lambda: test_set.evaluate_files({str(workdir)!r}, {str(source)!r}, {str(source)!r}))
     """
   try:
     result = _without_root_powers(code)
@@ -386,46 +389,8 @@ def test_a_real_attempt_decides_where_os_access_says_yes(tmp_path, immutable, mo
 
 # --- end to end: the translate command ---
 
-_TINY_TRAINING = [
-  '--config.dataset=number_words/tiny',
-  '--config.vocab_size=96',
-  '--config.model.d_model=16',
-  '--config.model.d_ff=32',
-  '--config.model.num_heads=2',
-  '--config.model.num_encoder_layers=1',
-  '--config.model.num_decoder_layers=1',
-  '--config.model.max_len=32',
-  '--config.per_device_batch_size=8',
-  '--config.num_train_steps=1',
-  '--config.eval_every_steps=1000',
-  '--config.checkpoint_every_steps=1',
-  '--config.eval_decode_examples=0',
-  '--config.final_test_decode=False',
-]
 
-
-@pytest.fixture(scope='module')
-def one_step_workdir(tmp_path_factory, data_dir):
-  workdir = tmp_path_factory.mktemp('workdir')
-  result = subprocess.run(
-    [
-      sys.executable,
-      'train.py',
-      f'--workdir={workdir}',
-      f'--config.data_dir={data_dir}',
-      *_TINY_TRAINING,
-    ],
-    cwd=REPO_ROOT,
-    capture_output=True,
-    timeout=300,
-  )
-  assert result.returncode == 0, result.stderr.decode()[-3000:]
-  return workdir
-
-
-def test_translate_command_writes_through_a_symlink_and_refuses_a_directory(
-  one_step_workdir, tmp_path
-):
+def test_translate_command_writes_through_a_symlink_and_refuses_a_directory(tiny_workdir, tmp_path):
   source = tmp_path / 'in.txt'
   source.write_text('seven\nforty-two\n')
   (tmp_path / 'results').mkdir()
@@ -440,7 +405,7 @@ def test_translate_command_writes_through_a_symlink_and_refuses_a_directory(
         sys.executable,
         '-m',
         'transformer_jax.translate',
-        f'--workdir={one_step_workdir}',
+        f'--workdir={tiny_workdir}',  # The session's shared workdir (conftest.py).
         '--beam_size=1',
         f'--input={source}',
         f'--output={output}',

@@ -6,13 +6,15 @@ import jax
 import numpy as np
 import pytest
 
-from transformer_jax import run_config, train_lib
-from transformer_jax.checkpointing import Checkpointer
+from transformer_jax.checkpoints.checkpointer import Checkpointer
+from transformer_jax.common.errors import UserInputError
 from transformer_jax.data import input_pipeline
 from transformer_jax.data.tokenizer import Tokenizer
-from transformer_jax.errors import UserInputError
-from transformer_jax.inference import Translator
-from transformer_jax.workdir import Workdir
+from transformer_jax.inference.translator import Translator
+from transformer_jax.training import loop, run_config
+from transformer_jax.training import step as training_step
+from transformer_jax.training import trainer as training_trainer
+from transformer_jax.workdir.layout import Workdir
 
 from conftest import tiny_config
 
@@ -26,7 +28,7 @@ def _final_params(workdir):
 
 def test_shift_right_starts_with_bos():
   targets = np.array([[5, 6, 1, 0], [7, 1, 0, 0]])
-  np.testing.assert_array_equal(train_lib.shift_right(targets), [[2, 5, 6, 1], [2, 7, 1, 0]])
+  np.testing.assert_array_equal(training_step.shift_right(targets), [[2, 5, 6, 1], [2, 7, 1, 0]])
 
 
 def test_training_lowers_the_loss(tmp_path, data_dir):
@@ -36,11 +38,13 @@ def test_training_lowers_the_loss(tmp_path, data_dir):
   config.learning_rate_scale = 0.15  # Peak lr 0.15 * 32^-0.5 * 20^-0.5 = 5.9e-3.
   config.eval_every_steps = 80
   config.checkpoint_every_steps = 80
-  metrics = train_lib.train_and_evaluate(config, str(tmp_path))
+  metrics = loop.train_and_evaluate(config, str(tmp_path))
 
   # The same model untrained (same seed, same vocabulary), on the same validation batches.
   tokenizer = Tokenizer.load(str(tmp_path / 'vocab.model'))
-  trainer = train_lib.Trainer(config, run_config.model_config_from(config, tokenizer.vocab_size))
+  trainer = training_trainer.Trainer(
+    config, run_config.model_config_from(config, tokenizer.vocab_size)
+  )
   sources = input_pipeline.load_data_sources(config, data_dir)
   split = input_pipeline.TokenizedSplit.build(sources['validation'], tokenizer, config)
   batches = input_pipeline.make_eval_batches(split, config, batch_size=64)
@@ -54,20 +58,20 @@ def test_training_lowers_the_loss(tmp_path, data_dir):
 def test_resume_with_a_different_model_is_refused(tmp_path, data_dir):
   config = tiny_config(data_dir)
   config.num_train_steps = 4
-  train_lib.train_and_evaluate(config, str(tmp_path))
+  loop.train_and_evaluate(config, str(tmp_path))
   config.model.d_ff = 128
   with pytest.raises(UserInputError, match='model.d_ff: 64 -> 128'):
-    train_lib.train_and_evaluate(config, str(tmp_path))
+    loop.train_and_evaluate(config, str(tmp_path))
   config.model.d_ff = 64
   config.seed = 1
   with pytest.raises(UserInputError, match='seed: 0 -> 1'):
-    train_lib.train_and_evaluate(config, str(tmp_path))
+    loop.train_and_evaluate(config, str(tmp_path))
   # Safe fields may change: more steps and other intervals resume fine.
   config.seed = 0
   config.num_train_steps = 6
   config.log_every_steps = 2
   config.checkpoint_every_steps = 3
-  train_lib.train_and_evaluate(config, str(tmp_path))
+  loop.train_and_evaluate(config, str(tmp_path))
 
 
 @pytest.mark.parametrize('field, value', [('per_device_batch_size', 0), ('num_train_steps', -5)])
@@ -75,14 +79,14 @@ def test_invalid_config_names_the_field(tmp_path, data_dir, field, value):
   config = tiny_config(data_dir)
   config[field] = value
   with pytest.raises(UserInputError, match=f'config.{field}'):
-    train_lib.train_and_evaluate(config, str(tmp_path))
+    loop.train_and_evaluate(config, str(tmp_path))
 
 
 def test_invalid_model_size_names_the_field(tmp_path, data_dir):
   config = tiny_config(data_dir)
   config.model.num_heads = 3  # 32 is not divisible by 3.
   with pytest.raises(UserInputError, match='d_model=32 is not divisible by num_heads=3'):
-    train_lib.train_and_evaluate(config, str(tmp_path))
+    loop.train_and_evaluate(config, str(tmp_path))
 
 
 # Eight devices equal one: tests/sharding_test.py trains the same tiny model for two steps on
@@ -115,7 +119,7 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path):
   results = {}
   for k in (1, 4):
     config.grad_accum_steps = k
-    trainer = train_lib.Trainer(config, model_config)
+    trainer = training_trainer.Trainer(config, model_config)
     state = trainer.init_state(seed=3)
     for _ in range(2):  # Two steps: the second starts from the accumulated update.
       state, metrics = trainer.step(state, batch)
@@ -129,7 +133,7 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path):
     for got, want in zip(jax.tree.leaves(params_k), jax.tree.leaves(params_1)):
       np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
   # And the update is not trivially zero: the parameters moved.
-  initial = jax.device_get(train_lib.Trainer(config, model_config).init_state(seed=3).params)
+  initial = jax.device_get(training_trainer.Trainer(config, model_config).init_state(seed=3).params)
   moved = max(
     float(np.max(np.abs(a - b)))
     for a, b in zip(jax.tree.leaves(params_1), jax.tree.leaves(initial))
@@ -152,7 +156,9 @@ def test_bfloat16_loss_curve_tracks_float32(tmp_path, data_dir):
   curves = {}
   for dtype in ('float32', 'bfloat16'):
     config.model.dtype = dtype
-    trainer = train_lib.Trainer(config, run_config.model_config_from(config, tokenizer.vocab_size))
+    trainer = training_trainer.Trainer(
+      config, run_config.model_config_from(config, tokenizer.vocab_size)
+    )
     state = trainer.init_state(seed=0)
     losses = []
     for batch in batches:

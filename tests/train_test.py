@@ -159,7 +159,7 @@ def test_averaged_checkpoint_is_loaded_by_name_and_by_default(trained_workdir):
   import jax
   import numpy as np
 
-  from transformer_jax.inference import Translator
+  from transformer_jax.inference.translator import Translator
 
   workdir, _ = trained_workdir
   result = _run(['-m', 'transformer_jax.average', f'--workdir={workdir}', '--last=2'])
@@ -190,7 +190,7 @@ def test_evaluate_and_translate_search_as_ctranslate2_with_beam_rule(trained_wor
   """--beam_rule=ctranslate2 reaches the search (Translator.translate's beam_rule) from both
   commands, and evaluate names its default hypotheses file by it."""
   from transformer_jax.data import number_words
-  from transformer_jax.inference import Translator
+  from transformer_jax.inference.translator import Translator
 
   workdir, _ = trained_workdir
   numbers = [7, 21, 342005, 1000001]

@@ -9,10 +9,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from transformer_jax import decode, inference
 from transformer_jax.benchmark import decoding as decode_benchmark
-from transformer_jax.errors import UserInputError
-from transformer_jax.inference import Translator, source_bucket
+from transformer_jax.common.errors import UserInputError
+from transformer_jax.inference import decoding
+from transformer_jax.inference.decoding import source_bucket
+from transformer_jax.inference.translator import Translator
+from transformer_jax.search import decode
 
 from conftest import random_weight_translator
 
@@ -80,7 +82,7 @@ def test_the_beam_rule_reaches_the_search():
       src = np.full((1, length), PAD_ID, np.int32)
       src[0, : len(ids)] = ids
       max_decode_len = min(translator.model_config.max_len, length + 50)
-      tokens, _ = inference.beam_decode(
+      tokens, _ = decoding.beam_decode(
         translator.model,
         translator.params,
         src,
@@ -109,20 +111,18 @@ def test_model_beam_search_beam1_is_greedy_and_cache_changes_nothing():
   src[1, :3] = [50, 60, 1]
   model, params = translator.model, translator.params
   tokens, scores = jax.jit(
-    functools.partial(inference.beam_decode, model, beam_size=4, alpha=0.6, max_decode_len=10)
+    functools.partial(decoding.beam_decode, model, beam_size=4, alpha=0.6, max_decode_len=10)
   )(params, src)
-  greedy = jax.jit(functools.partial(inference.greedy_decode, model, max_decode_len=10))(
-    params, src
-  )
+  greedy = jax.jit(functools.partial(decoding.greedy_decode, model, max_decode_len=10))(params, src)
   beam1, _ = jax.jit(
-    functools.partial(inference.beam_decode, model, beam_size=1, alpha=0.0, max_decode_len=10)
+    functools.partial(decoding.beam_decode, model, beam_size=1, alpha=0.0, max_decode_len=10)
   )(params, src)
   np.testing.assert_array_equal(beam1[:, 0], greedy)  # Beam 1 without penalty is greedy.
   assert np.all(np.diff(np.asarray(scores), axis=1) <= 1e-6)  # Sorted best first.
   # Uncached beam search agrees with the cached one.
   tokens_uncached, scores_uncached = jax.jit(
     functools.partial(
-      inference.beam_decode, model, beam_size=4, alpha=0.6, max_decode_len=10, use_cache=False
+      decoding.beam_decode, model, beam_size=4, alpha=0.6, max_decode_len=10, use_cache=False
     )
   )(params, src)
   np.testing.assert_array_equal(tokens, tokens_uncached)
@@ -161,8 +161,8 @@ def test_a_cudnn_trained_model_translates_on_cpu_through_xla_attention(tmp_path)
   import json
   import os
 
-  from transformer_jax.checkpointing import save_params
-  from transformer_jax.workdir import Workdir
+  from transformer_jax.checkpoints.checkpointer import save_params
+  from transformer_jax.workdir.layout import Workdir
 
   reference = _translator()
   cudnn_config = reference.model_config.replace(attention_impl='cudnn', dtype='bfloat16')

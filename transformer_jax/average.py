@@ -8,13 +8,14 @@ Writes DIR/averaged, which `translate` and `evaluate` then load by default while
 
 from absl import flags
 
-from transformer_jax import averaging, cli
+from transformer_jax import cli
+from transformer_jax.checkpoints import averaging
 
 FLAGS = flags.FLAGS
 
 
 def _define_flags():
-  flags.DEFINE_string('workdir', None, 'Training workdir (its checkpoints are averaged).')
+  cli.define_workdir_flag('Training workdir (its checkpoints are averaged).')
   flags.DEFINE_integer(
     'last', 5, 'Average the newest this many checkpoints (paper: 5 for base, 20 for big).'
   )

@@ -18,9 +18,13 @@ from absl import app
 from absl import flags as absl_flags
 from ml_collections import config_flags
 
-from transformer_jax import errors
-from transformer_jax.errors import UserInputError
-from transformer_jax.metric_writers import quiet_library_logs
+from transformer_jax.common import errors
+from transformer_jax.common.errors import UserInputError
+from transformer_jax.common.log import quiet_library_logs
+
+# The flags this module defines for the commands (`define_*_flag`) belong to the command that
+# asks for them, so that its --help lists them: absl then skips this module as their definer.
+absl_flags.disclaim_key_flags()
 
 # What ml_collections raises for a bad `--config.field=value` (a misspelt field, a value of the
 # wrong type) and, deferred to the first access of the flag, for a config file it cannot load.
@@ -100,7 +104,7 @@ def _parse_plain(argv: list[str]) -> list[str]:
 
 def define_beam_rule_flag() -> None:
   """--beam_rule, for the commands that decode (translate, evaluate): decode.BEAM_RULES."""
-  from transformer_jax import decode  # jax: only for the commands that decode.
+  from transformer_jax.search import decode  # jax: only for the commands that decode.
 
   absl_flags.DEFINE_enum(
     'beam_rule',
@@ -108,6 +112,24 @@ def define_beam_rule_flag() -> None:
     list(decode.BEAM_RULES),
     "How beam search ends hypotheses and stops: 'exact' (until no beam can beat the finished "
     "ones) or 'ctranslate2' (CTranslate2's; with --alpha=0 its outputs exactly).",
+  )
+
+
+_WORKDIR_HELP = 'Training workdir (config.json, vocab.model, checkpoints).'
+
+
+def define_workdir_flag(help_text: str = _WORKDIR_HELP, default: str | None = None) -> None:
+  """--workdir, the folder of one training run (every command that reads or writes one)."""
+  absl_flags.DEFINE_string('workdir', default, help_text)
+
+
+def define_checkpoint_flag() -> None:
+  """--checkpoint, which parameters of a workdir to use (read with `checkpoint_flag_value`)."""
+  absl_flags.DEFINE_string(
+    'checkpoint',
+    None,
+    "Step number, 'averaged' or 'latest' (default: the averaged checkpoint if current, else "
+    'the latest).',
   )
 
 

@@ -10,13 +10,14 @@ signatures, so results are comparable with published ones.
 
 from absl import flags
 
-from transformer_jax import cli, metrics
+from transformer_jax import cli
+from transformer_jax.evaluation import test_set
 
 FLAGS = flags.FLAGS
 
 
 def _define_flags():
-  flags.DEFINE_string('workdir', None, 'Training workdir.')
+  cli.define_workdir_flag('Training workdir.')
   flags.DEFINE_string('src', None, 'Source sentences, one per line.')
   flags.DEFINE_string('ref', None, 'Reference translations, one per line.')
   flags.DEFINE_string(
@@ -25,12 +26,7 @@ def _define_flags():
     'Where to write the hypotheses (default: a file named '
     'after --src, --checkpoint and --beam_size in the workdir).',
   )
-  flags.DEFINE_string(
-    'checkpoint',
-    None,
-    "Step number, 'averaged' or 'latest' (default: the "
-    'averaged checkpoint if current, else the latest).',
-  )
+  cli.define_checkpoint_flag()
   flags.DEFINE_integer('beam_size', 4, 'Beam size; 1 = greedy.')
   flags.DEFINE_float('alpha', 0.6, 'Length penalty exponent.')
   cli.define_beam_rule_flag()
@@ -40,7 +36,7 @@ def _define_flags():
 
 def main(argv):
   del argv
-  result = metrics.evaluate_files(
+  result = test_set.evaluate_files(
     FLAGS.workdir,
     FLAGS.src,
     FLAGS.ref,
@@ -51,7 +47,7 @@ def main(argv):
     batch_size=FLAGS.batch_size,
     beam_rule=FLAGS.beam_rule,
   )
-  print('\n'.join(metrics.report_lines(result)))
+  print('\n'.join(test_set.report_lines(result)))
   print(
     f'{result["sentences"]} sentences in {result["seconds"]:.1f}s '
     f'(beam {FLAGS.beam_size}, alpha {FLAGS.alpha}); hypotheses: {result["hypotheses_file"]}'

@@ -12,7 +12,8 @@ Marian computes; see marian.py for the mapping and what is refused.
 
 from absl import flags
 
-from transformer_jax import cli, imported_workdir
+from transformer_jax import cli
+from transformer_jax.importers import workdir_writer
 
 FLAGS = flags.FLAGS
 
@@ -24,7 +25,7 @@ def _define_flags():
   flags.DEFINE_string(
     'target_spm', None, 'SentencePiece model that segments the target (target.spm), if another.'
   )
-  flags.DEFINE_string('workdir', None, 'Folder to write (new, or an imported one with --force).')
+  cli.define_workdir_flag('Folder to write (new, or an imported one with --force).')
   flags.DEFINE_integer('max_len', 512, 'Longest source or target (in pieces) the model accepts.')
   flags.DEFINE_bool('force', False, 'Replace a workdir that holds an untrained imported model.')
   flags.mark_flags_as_required(['model', 'workdir'])
@@ -32,7 +33,7 @@ def _define_flags():
 
 def main(argv):
   del argv
-  imported_workdir.import_marian(
+  workdir_writer.import_marian_model(
     FLAGS.model,
     FLAGS.workdir,
     vocab=FLAGS.vocab,

@@ -9,20 +9,21 @@ One panel per layer and head; without --target the model's own translation is us
 
 from absl import flags
 
-from transformer_jax import attention_plots, cli
-from transformer_jax.errors import UserInputError
+from transformer_jax import cli
+from transformer_jax.common.errors import UserInputError
+from transformer_jax.inference import attention_plots
 
 FLAGS = flags.FLAGS
 
 
 def _define_flags():
-  flags.DEFINE_string('workdir', None, 'Training workdir (config, vocabulary, checkpoints).')
+  cli.define_workdir_flag('Training workdir (config, vocabulary, checkpoints).')
   flags.DEFINE_string('text', None, 'The source sentence.')
   flags.DEFINE_string('target', None, "Its translation; default: the model's own (beam).")
   flags.DEFINE_string('out', 'attention.png', 'Image file to write (.png, .pdf, .svg).')
   flags.DEFINE_enum('kind', 'cross', list(attention_plots.KINDS), 'Which attention to draw.')
   flags.DEFINE_list('layers', None, 'Layers to draw, numbered from 1 (default: all).')
-  flags.DEFINE_string('checkpoint', None, "A step, 'averaged' or 'latest' (default as translate).")
+  cli.define_checkpoint_flag()
   flags.DEFINE_integer('beam_size', 4, 'Beam size for the translation when --target is unset.')
   flags.DEFINE_float('alpha', 0.6, 'Length penalty for the translation when --target is unset.')
   flags.mark_flags_as_required(['workdir', 'text'])

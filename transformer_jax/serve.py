@@ -12,31 +12,28 @@ made from the same checkpoint, and has no attention maps. SIGTERM drains and exi
 
 from absl import flags
 
-from transformer_jax import cli, export_ctranslate2, serving, serving_ctranslate2
+from transformer_jax import cli
+from transformer_jax.exporters import ctranslate2_spec
+from transformer_jax.serving import app, ctranslate2_engine
 
 FLAGS = flags.FLAGS
 
 
 def _define_flags():
-  defaults = serving.ServerOptions()
-  flags.DEFINE_string('workdir', None, 'Training workdir (config.json, vocab.model, checkpoints).')
-  flags.DEFINE_string(
-    'checkpoint',
-    None,
-    "Step number, 'averaged' or 'latest' (default: the "
-    'averaged checkpoint if current, else the latest).',
-  )
+  defaults = app.ServerOptions()
+  cli.define_workdir_flag()
+  cli.define_checkpoint_flag()
   flags.DEFINE_enum(
     'engine',
     'jax',
-    serving.ENGINES,
+    app.ENGINES,
     'Decoding backend: jax, or ctranslate2 (the model exported at start-up; the [export] extra).',
   )
   flags.DEFINE_enum(
     'quantization',
     None,
-    export_ctranslate2.QUANTIZATIONS,
-    f'ctranslate2: weight type (default {serving_ctranslate2.DEFAULT_QUANTIZATION}; float32 '
+    ctranslate2_spec.QUANTIZATIONS,
+    f'ctranslate2: weight type (default {ctranslate2_engine.DEFAULT_QUANTIZATION}; float32 '
     'translates exactly as --engine=jax).',
   )
   flags.DEFINE_string(
@@ -48,8 +45,8 @@ def _define_flags():
   flags.DEFINE_integer(
     'intra_threads',
     None,
-    f'ctranslate2: OpenMP threads (default {serving_ctranslate2.DEFAULT_THREADS}; more only on '
-    'cores nothing else uses: see serving_ctranslate2.py).',
+    f'ctranslate2: OpenMP threads (default {ctranslate2_engine.DEFAULT_THREADS}; more only on '
+    'cores nothing else uses: see serving/ctranslate2_engine.py).',
   )
   flags.DEFINE_string('host', defaults.host, 'Address to listen on (0.0.0.0: every interface).')
   flags.DEFINE_integer('port', defaults.port, 'Port to listen on (0: any free port).')
@@ -72,7 +69,7 @@ def _define_flags():
 
 def main(argv):
   del argv
-  options = serving.ServerOptions(
+  options = app.ServerOptions(
     host=FLAGS.host,
     port=FLAGS.port,
     max_batch_size=FLAGS.max_batch_size,
@@ -86,7 +83,7 @@ def main(argv):
     ctranslate2_dir=FLAGS.ctranslate2_dir,
     intra_threads=FLAGS.intra_threads,
   )
-  serving.serve(
+  app.serve(
     FLAGS.workdir,
     checkpoint=cli.checkpoint_flag_value(FLAGS.checkpoint),
     engine=FLAGS.engine,

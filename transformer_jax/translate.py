@@ -9,19 +9,15 @@ as in the paper, by default; `--beam_size=1` is greedy.
 
 from absl import flags
 
-from transformer_jax import cli, inference
+from transformer_jax import cli
+from transformer_jax.inference import text_files
 
 FLAGS = flags.FLAGS
 
 
 def _define_flags():
-  flags.DEFINE_string('workdir', None, 'Training workdir (config.json, vocab.model, checkpoints).')
-  flags.DEFINE_string(
-    'checkpoint',
-    None,
-    "Step number, 'averaged' or 'latest' (default: the "
-    'averaged checkpoint if current, else the latest).',
-  )
+  cli.define_workdir_flag()
+  cli.define_checkpoint_flag()
   flags.DEFINE_integer('batch_size', 64, 'Sentences decoded together.')
   flags.DEFINE_integer('beam_size', 4, 'Beam size; 1 = greedy (the paper: 4).')
   flags.DEFINE_float('alpha', 0.6, 'Length penalty exponent ((5+len)/6)^alpha (the paper: 0.6).')
@@ -33,7 +29,7 @@ def _define_flags():
 
 def main(argv):
   del argv
-  inference.translate_text(
+  text_files.translate_text(
     FLAGS.workdir,
     checkpoint=cli.checkpoint_flag_value(FLAGS.checkpoint),
     batch_size=FLAGS.batch_size,

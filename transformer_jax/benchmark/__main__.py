@@ -9,11 +9,12 @@ import sys
 
 from absl import flags
 
-from transformer_jax import cli, host_memory
+from transformer_jax import cli
 from transformer_jax.benchmark import runner
 from transformer_jax.benchmark.report import format_report
 from transformer_jax.benchmark.training import SIZES
 from transformer_jax.configs import default_config_file
+from transformer_jax.training import host_memory
 
 FLAGS = flags.FLAGS
 
@@ -75,11 +76,10 @@ def _define_flags():
   )
   flags.DEFINE_integer('beam_size', defaults.beam_size, 'Beam size of beam search.')
   flags.DEFINE_float('alpha', defaults.alpha, 'Length penalty of beam search.')
-  flags.DEFINE_string(
-    'workdir',
-    '',
-    'A trained default (number-words) workdir: also decode '
-    'its test sentences with the trained model.',
+  cli.define_workdir_flag(
+    'A trained default (number-words) workdir: also decode its test sentences with the '
+    'trained model.',
+    default='',
   )
   flags.DEFINE_integer(
     'pipeline_examples',

@@ -1,7 +1,7 @@
 """`--compare=ctranslate2`: the decoding benchmark's model decoded by CTranslate2 beside ours.
 
 The same weights (random, EOS suppressed: `decoding.suppress_eos`) become a CTranslate2 model
-through `export_ctranslate2.model_spec`, the exporter's own converter, with a stand-in
+through `ctranslate2_spec.model_spec`, the exporter's own converter, with a stand-in
 vocabulary of one made-up piece per id (CTranslate2 maps pieces to ids and nothing else).
 Both sides decode the same sources to exactly `decode_length` tokens: ours because EOS never
 wins, CTranslate2's because `min_decoding_length = max_decoding_length = decode_length`.
@@ -22,26 +22,18 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from transformer_jax import export_ctranslate2, inference
-from transformer_jax.config import TransformerConfig
 from transformer_jax.data.tokenizer import EOS_ID, PAD_ID
-from transformer_jax.errors import UserInputError
-from transformer_jax.models import Transformer
+from transformer_jax.exporters import ctranslate2_runtime, ctranslate2_spec
+from transformer_jax.inference import decoding
+from transformer_jax.model.config import TransformerConfig
+from transformer_jax.model.transformer import Transformer
 
 ENGINES = ('ctranslate2',)
-INSTALL_HINT = "pip install -e '.[export]'"
 
 
 def require_ctranslate2():
   """The ctranslate2 module, or a one-line UserInputError saying how to install it."""
-  try:
-    import ctranslate2  # noqa: F401  (optional: the [export] extra)
-    import ctranslate2.specs  # noqa: F401
-  except ImportError:
-    raise UserInputError(
-      f'--compare=ctranslate2 needs the ctranslate2 package: {INSTALL_HINT}'
-    ) from None
-  return ctranslate2
+  return ctranslate2_runtime.import_ctranslate2('--compare=ctranslate2')
 
 
 def xla_cpu_threads() -> int:
@@ -52,7 +44,7 @@ def xla_cpu_threads() -> int:
 
 
 class _StandInVocabulary:
-  """What `export_ctranslate2.model_spec` reads of a tokenizer: one distinct piece per id."""
+  """What `ctranslate2_spec.model_spec` reads of a tokenizer: one distinct piece per id."""
 
   path = '<benchmark: synthetic vocabulary>'
 
@@ -68,7 +60,7 @@ def ctranslate2_translator(model_config: TransformerConfig, params, directory: s
   """A float32 `ctranslate2.Translator` of our parameters, saved in `directory`."""
   ctranslate2 = require_ctranslate2()
   vocabulary = _StandInVocabulary(model_config.vocab_size)
-  spec = export_ctranslate2.model_spec(model_config, params, vocabulary)
+  spec = ctranslate2_spec.model_spec(model_config, params, vocabulary)
   spec.optimize(quantization='float32')
   spec.save(directory)
   return ctranslate2.Translator(
@@ -107,10 +99,10 @@ def _our_decoder(model: Transformer, beam_size: int, decode_length: int, alpha: 
   """Jitted: params, src [b, s] -> the best hypothesis [b, decode_length]."""
   if beam_size == 1:
     return jax.jit(
-      lambda params, src: inference.greedy_decode(model, params, src, max_decode_len=decode_length)
+      lambda params, src: decoding.greedy_decode(model, params, src, max_decode_len=decode_length)
     )
   return jax.jit(
-    lambda params, src: inference.beam_decode(
+    lambda params, src: decoding.beam_decode(
       model, params, src, beam_size=beam_size, alpha=alpha, max_decode_len=decode_length
     )[0][:, 0]
   )

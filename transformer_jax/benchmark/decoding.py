@@ -13,12 +13,13 @@ import flax.linen as nn
 import jax
 import numpy as np
 
-from transformer_jax import inference
-from transformer_jax.config import TransformerConfig
 from transformer_jax.data import input_pipeline, number_words
 from transformer_jax.data.tokenizer import EOS_ID, PAD_ID
-from transformer_jax.models import Transformer
-from transformer_jax.workdir import Workdir
+from transformer_jax.inference import decoding
+from transformer_jax.inference.translator import Translator
+from transformer_jax.model.config import TransformerConfig
+from transformer_jax.model.transformer import Transformer
+from transformer_jax.workdir.layout import Workdir
 
 DECODE_MODES = ('greedy_cached', 'greedy_uncached', 'beam_cached', 'beam_uncached')
 
@@ -59,11 +60,11 @@ def _decoders(model, *, max_decode_len: int, beam_size: int, alpha: float) -> di
     suffix = 'cached' if cache else 'uncached'
     decoders[f'greedy_{suffix}'] = jax.jit(
       functools.partial(
-        inference.greedy_decode, model, max_decode_len=max_decode_len, use_cache=cache
+        decoding.greedy_decode, model, max_decode_len=max_decode_len, use_cache=cache
       )
     )
     decoders[f'beam_{suffix}'] = jax.jit(
-      lambda params, src, cache=cache: inference.beam_decode(
+      lambda params, src, cache=cache: decoding.beam_decode(
         model,
         params,
         src,
@@ -142,7 +143,7 @@ def trained_decoding(
   workdir: str, *, batch_size: int, batches: int, beam_size: int, alpha: float
 ) -> dict:
   """The trained model of a number-words workdir on the task's test sentences."""
-  translator = inference.Translator.from_checkpoint(workdir)
+  translator = Translator.from_checkpoint(workdir)
   saved = Workdir(workdir).read_run_config()['config']
   source_length, max_decode_len = saved['max_source_length'], saved['max_target_length']
   numbers = number_words.sample_numbers('test', batch_size * batches, seed=0)

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer_jax.config import TransformerConfig
+from transformer_jax.model.config import TransformerConfig
 
 FLOPS_FORMULA = (
   '6 x ((P_enc + P_xkv) x S + P_dec x T + d_model x V x T) + 6 x h x (d_k + d_v) x sum_rows '

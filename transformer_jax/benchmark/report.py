@@ -1,4 +1,4 @@
-"""Plain-text tables of a benchmark report (see transformer_jax/benchmark.py)."""
+"""Plain-text tables of a benchmark report (`python -m transformer_jax.benchmark`)."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ to --json. Every rate is divided by limits measured in the same run:
 
   * peak: the best time of a large N x N matrix product (2 N^3 FLOPs) in the benchmark's dtype,
     per device; MFU = achieved model FLOP/s / (peak x devices).
-  * training: target tokens/s, model FLOPs per step (`benchmark_flops`), achieved FLOP/s, MFU (on
+  * training: target tokens/s, model FLOPs per step (`flops.py`), achieved FLOP/s, MFU (on
     the padded batch the hardware computes, and "useful" MFU on the real tokens only), time to
     the first step (tracing + compilation + one step) and peak memory.
   * decoding: sentences/s and target tokens/s for greedy and beam search, with and without the
@@ -18,8 +18,8 @@ to --json. Every rate is divided by limits measured in the same run:
   * input pipeline: examples/s and padding fraction of each batching mode, and the ratio to the
     examples/s the training step of the matching size consumes.
 
-Model FLOPs per training step: `benchmark_flops.training_flops`; the formula and what each
-term counts are in benchmark_flops.py's docstring.
+Model FLOPs per training step: `flops.training_flops`; the formula and what each
+term counts are in flops.py's docstring.
 
 Synthetic data: batches of random token ids whose real lengths are drawn in 70-80% of the padded
 length, so no dataset is needed. Decoding uses an untrained model whose end-of-sentence logit
@@ -45,7 +45,6 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from transformer_jax import host_memory, text_io
 from transformer_jax.benchmark.ctranslate2_comparison import (
   ENGINES,
   compare_ctranslate2,
@@ -63,9 +62,11 @@ from transformer_jax.benchmark.training import (
   synthetic_ids,
   synthetic_lengths,
 )
-from transformer_jax.errors import UserInputError, is_integer
-from transformer_jax.models import Transformer
-from transformer_jax.workdir import Workdir
+from transformer_jax.common import text_io
+from transformer_jax.common.errors import UserInputError, is_integer
+from transformer_jax.model.transformer import Transformer
+from transformer_jax.training import host_memory
+from transformer_jax.workdir.layout import Workdir
 
 # Peak matmuls timed before each training step (best kept) for `mfu_paired_median`: enough to
 # catch the machine's speed of the moment, few enough not to lengthen a run much.

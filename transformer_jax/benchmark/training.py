@@ -13,13 +13,13 @@ import jax
 import ml_collections
 import numpy as np
 
-from transformer_jax import train_lib
 from transformer_jax.benchmark.flops import matmul_params, training_flops
-from transformer_jax.config import TransformerConfig
+from transformer_jax.common.errors import UserInputError
 from transformer_jax.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID
-from transformer_jax.errors import UserInputError
-from transformer_jax.models import count_params
-from transformer_jax.run_config import model_config_from
+from transformer_jax.model.config import TransformerConfig
+from transformer_jax.model.transformer import count_params
+from transformer_jax.training.run_config import model_config_from
+from transformer_jax.training.trainer import Trainer
 
 SIZES = ('tiny', 'small', 'base', 'big')
 # Lowest id of an ordinary token: pad, eos, bos and unk come first.
@@ -178,7 +178,7 @@ def benchmark_training(
   `peak_probe` (optional) times the peak matmul again, in FLOP/s, right before every timed
   step, so that each step's MFU divides by the limit of its own moment (`mfu_paired_median`).
   """
-  trainer = train_lib.Trainer(spec.config, spec.model_config)
+  trainer = Trainer(spec.config, spec.model_config)
   devices = trainer.mesh.devices.size
   rows = spec.rows_per_device * devices  # Global; each process feeds its local devices' rows.
   local_rows = spec.rows_per_device * jax.local_device_count()

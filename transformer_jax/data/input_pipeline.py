@@ -22,13 +22,13 @@ import ml_collections
 import numpy as np
 import tensorflow_datasets as tfds
 
-from transformer_jax import paths
+from transformer_jax.common import paths
+from transformer_jax.common.errors import UserInputError
+from transformer_jax.common.log import log
+from transformer_jax.common.progress import progress
 from transformer_jax.data import batching, number_words, staging, text_dataset
 from transformer_jax.data.tokenizer import EOS_ID, Tokenizer
-from transformer_jax.errors import UserInputError
-from transformer_jax.metric_writers import log
-from transformer_jax.progress import progress
-from transformer_jax.workdir import Workdir
+from transformer_jax.workdir.layout import Workdir
 
 Batch = dict[str, np.ndarray]
 

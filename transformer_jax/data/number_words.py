@@ -245,10 +245,6 @@ def split_of(n: int) -> str:
   return 'validation' if bucket < 97 else 'test'
 
 
-def _in_split(n: int, split: str) -> bool:
-  return n < LEXICON_LIMIT or split_of(n) == split
-
-
 # Added to the caller's seed so the splits draw from different streams.
 _SPLIT_SEED_OFFSETS = {'train': 0, 'validation': 1_000_003, 'test': 2_000_029}
 

@@ -28,10 +28,10 @@ import os
 import fsspec
 from etils import epath
 
-from transformer_jax import paths
-from transformer_jax.errors import UserInputError
-from transformer_jax.metric_writers import log
-from transformer_jax.progress import progress
+from transformer_jax.common import paths
+from transformer_jax.common.errors import UserInputError
+from transformer_jax.common.log import log
+from transformer_jax.common.progress import progress
 
 _MANIFEST = '.staged.json'
 _CACHE_ENV = 'TRANSFORMER_JAX_CACHE'

@@ -65,8 +65,8 @@ from absl import logging
 from etils import epath
 from tensorflow_datasets.core import shuffle as tfds_shuffle
 
-from transformer_jax.errors import UserInputError, is_integer
-from transformer_jax.paths import file_sha256
+from transformer_jax.common.errors import UserInputError, is_integer
+from transformer_jax.common.paths import file_sha256
 
 DATASET_NAME = 'parallel_text'
 # Part of the fingerprint: bump it when the way files become examples changes,

@@ -12,9 +12,9 @@ import os
 
 import tensorflow_datasets as tfds
 
-from transformer_jax import paths
+from transformer_jax.common import paths
+from transformer_jax.common.errors import UserInputError, is_integer
 from transformer_jax.data import number_words
-from transformer_jax.errors import UserInputError, is_integer
 
 
 def is_prepared(name: str, data_dir: str) -> bool:

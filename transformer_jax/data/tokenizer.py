@@ -10,10 +10,10 @@ from typing import Iterable, Iterator, Sequence
 
 import sentencepiece as spm
 
-from transformer_jax import paths
-from transformer_jax.errors import UserInputError
-from transformer_jax.metric_writers import format_duration, log
-from transformer_jax.progress import progress
+from transformer_jax.common import paths
+from transformer_jax.common.errors import UserInputError
+from transformer_jax.common.log import format_duration, log
+from transformer_jax.common.progress import progress
 
 PAD_ID, EOS_ID, BOS_ID, UNK_ID = 0, 1, 2, 3
 MODEL_TYPES = ('bpe', 'unigram', 'word', 'char')  # SentencePiece's.

@@ -1,0 +1,256 @@
+"""Every path the project is given goes through here: local paths and `gs://` Cloud Storage.
+
+`resolve(value, flag)` turns what the user typed into an `etils.epath.Path`: a local path made
+absolute (so a later `chdir` cannot move it), or a `gs://bucket/...` path kept remote, never
+turned into a local folder named `gs:`. Any other scheme (`s3://`, `http://`, ...) is a
+one-line error naming the flag. `gs://` goes through fsspec's `gcsfs` (the `[gcs]` extra);
+orbax and tensorstore write checkpoints there themselves.
+
+`write_atomically` gives one write semantics on both: a reader never sees a half-written file
+(locally: a temporary file renamed into place; on GCS an object appears only once its upload
+completes). `write_output` is that for a command's output flag, without damaging what the path
+is: a symlink is written through (its target replaced whole, the link kept), and a named pipe,
+a terminal, `/dev/stdout` or bash's `>(gzip > out.gz)` (`/dev/fd/63`) is written in place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import importlib.util
+import os
+import re
+import shutil
+import stat
+import sys
+import tempfile
+import time
+import uuid
+from typing import Iterator
+
+from etils import epath
+
+from transformer_jax.common.errors import UserInputError
+
+Path = epath.Path
+GCS_PREFIX = 'gs://'
+_SCHEME = re.compile(r'^([A-Za-z][A-Za-z0-9+.-]*)://')
+
+
+def is_gcs(path: str | os.PathLike) -> bool:
+  return os.fspath(path).startswith(GCS_PREFIX)
+
+
+def resolve(value: str | os.PathLike, flag: str) -> epath.Path:
+  """`value` as a Path: local ones absolute, `gs://` ones remote; others a one-line error."""
+  if value is not None and not isinstance(value, (str, os.PathLike)):
+    raise UserInputError(f'{flag} must be a path, got {type(value).__name__} {value!r}')
+  text = os.fspath(value) if value is not None else ''
+  if not text:
+    raise UserInputError(f'{flag} is empty: name a directory or file')
+  scheme = _SCHEME.match(text)
+  if scheme and text.startswith(GCS_PREFIX):
+    if len(text) == len(GCS_PREFIX) or text[len(GCS_PREFIX)] == '/':
+      raise UserInputError(f'{flag}={text}: name a bucket, as in gs://BUCKET/path')
+    check_gcs_support(flag, text)
+    return epath.Path(text)
+  if scheme:
+    raise UserInputError(
+      f'{flag}={text}: {scheme.group(1)}:// paths are not supported; use a local path or '
+      'gs://BUCKET/...'
+    )
+  return epath.Path(os.path.abspath(os.path.expanduser(text)))
+
+
+def check_gcs_support(flag: str, text: str) -> None:
+  """gs:// without TensorFlow needs gcsfs; say how to get it instead of a deep ImportError."""
+  if importlib.util.find_spec('gcsfs') is None and importlib.util.find_spec('tensorflow') is None:
+    raise UserInputError(
+      f"{flag}={text}: gs:// paths need Cloud Storage support: pip install -e '.[gcs]'"
+    )
+  if importlib.util.find_spec('fsspec') is not None:
+    import fsspec.config  # pylint: disable=g-import-not-at-top
+
+    # gcsfs caches folder listings per process: a checkpoint or lock written by tensorstore,
+    # google-cloud-storage or another process would stay invisible to exists() and listdir.
+    for protocol in ('gcs', 'gs'):
+      fsspec.config.conf.setdefault(protocol, {}).setdefault('use_listings_cache', False)
+
+
+def write_atomically(path: epath.Path, data: bytes | str) -> None:
+  """Writes `path` whole or not at all (see the module docstring)."""
+  path = epath.Path(path)
+  mode = 'wb' if isinstance(data, bytes) else 'w'
+  if is_gcs(path):
+    with path.open(mode) as f:  # The object exists only once the upload completes.
+      f.write(data)
+    return
+  path.parent.mkdir(parents=True, exist_ok=True)
+  tmp = path.parent / f'.{path.name}.{uuid.uuid4().hex[:8]}.tmp'
+  try:
+    with tmp.open(mode) as f:
+      f.write(data)
+    os.replace(tmp, path)
+  except BaseException:  # Ctrl-C or a full disk: leave no stray temporary file either.
+    with contextlib.suppress(OSError):
+      os.unlink(tmp)
+    raise
+
+
+@contextlib.contextmanager
+def staged_folder(directory: str) -> Iterator[str]:
+  """A hidden sibling folder to fill, which then replaces the local `directory` whole.
+
+  On leaving the block without error the staging folder (made readable as the umask allows:
+  mkdtemp's 0700 would keep its files from other users) takes `directory`'s place; an existing
+  `directory` is renamed aside first and removed after, so `directory` is never half-written,
+  and the parent folder is fsynced so that the rename itself survives a crash (best effort).
+  On an error or Ctrl-C the staging folder is removed and `directory` is left as it was.
+  Staging folders left by a killed process (`.NAME.tmp-*`, `.NAME.old-*`) go first.
+  """
+  parent, name = os.path.split(directory)
+  os.makedirs(parent, exist_ok=True)
+  for entry in os.listdir(parent):  # Leftovers of earlier interrupted stagings.
+    if entry.startswith((f'.{name}.tmp-', f'.{name}.old-')):
+      shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
+  staging = tempfile.mkdtemp(prefix=f'.{name}.tmp-', dir=parent)
+  try:
+    yield staging
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(staging, 0o777 & ~umask)
+    if os.path.exists(directory):
+      retired = os.path.join(parent, f'.{name}.old-{os.path.basename(staging)[len(name) + 6 :]}')
+      os.rename(directory, retired)
+      os.rename(staging, directory)
+      shutil.rmtree(retired, ignore_errors=True)
+    else:
+      os.rename(staging, directory)
+  except BaseException:
+    # A library may still be creating files in the staging folder from a background thread
+    # when the error reaches us (orbax, seen under load): remove it until it stays removed.
+    for _ in range(20):
+      shutil.rmtree(staging, ignore_errors=True)
+      if not os.path.exists(staging):
+        break
+      time.sleep(0.1)
+    raise
+  with contextlib.suppress(OSError):  # POSIX only.
+    fd = os.open(parent, os.O_RDONLY)
+    try:
+      os.fsync(fd)
+    finally:
+      os.close(fd)
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+  """SHA-256 (hex) of a file's bytes, read 1 MiB at a time."""
+  digest = hashlib.sha256()
+  with epath.Path(path).open('rb') as f:
+    for block in iter(lambda: f.read(1 << 20), b''):
+      digest.update(block)
+  return digest.hexdigest()
+
+
+_STANDARD_STREAMS = {'/dev/stdin': 0, '/dev/stdout': 1, '/dev/stderr': 2}
+_MAX_SYMLINKS = 40  # Linux's limit on links followed in one path.
+
+
+def output_destination(path: str | os.PathLike) -> tuple[str, int | None]:
+  """Where writing to the local `path` lands: `(final path, None)` after following symlinks (a
+  chain of them too, or one whose target does not exist yet), or `(path, N)` for file
+  descriptor N of this process, named as /dev/stdout, /dev/stderr, /dev/fd/N or
+  /proc/self/fd/N (bash's process substitution `>(...)` passes /dev/fd/N). OSError (ELOOP,
+  EACCES) when the links cannot be followed."""
+  current = os.path.abspath(os.fspath(path))
+  for _ in range(_MAX_SYMLINKS):
+    descriptor = _file_descriptor(current)
+    if descriptor is not None:
+      return current, descriptor
+    try:
+      target = os.readlink(current)
+    except OSError as error:
+      if error.errno in (errno.EINVAL, errno.ENOENT, errno.ENOTDIR):
+        return current, None  # Not a link, or nothing there yet.
+      raise
+    # A relative target is relative to the link's real folder ('..' included).
+    current = os.path.join(os.path.realpath(os.path.dirname(current)), target)
+  raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), os.fspath(path))
+
+
+def _file_descriptor(path: str) -> int | None:
+  if path in _STANDARD_STREAMS:
+    return _STANDARD_STREAMS[path]
+  match = re.fullmatch(r'/(?:dev/fd|proc/(?:self|(\d+))/fd)/(\d+)', os.path.normpath(path))
+  if match and match.group(1) in (None, str(os.getpid())):
+    return int(match.group(2))
+  return None
+
+
+def write_output(path: str | os.PathLike, data: bytes | str) -> None:
+  """Writes a command's output file (str as UTF-8) without damaging what `path` is.
+
+  gs://: as `write_atomically`. A file descriptor (`output_destination`: /dev/stdout,
+  /dev/fd/N) is written through a duplicate of it, at its current position, so a shell's
+  `>>` still appends. A named pipe or a device (a terminal, /dev/null) is opened and written
+  in place: no temporary file, nothing replaced. A regular file or a new path, also at the end
+  of a symlink chain (the links are kept), is replaced whole: a temporary file in the same
+  folder, with the old file's permission bits, renamed over it, and removed if anything fails.
+  """
+  if is_gcs(path):
+    write_atomically(epath.Path(path), data)
+    return
+  data = data.encode('utf-8') if isinstance(data, str) else data
+  destination, descriptor = output_destination(path)
+  if descriptor is not None:
+    for stream in (sys.stdout, sys.stderr):  # Keep the order of what was printed before.
+      with contextlib.suppress(Exception):
+        stream.flush()
+    with os.fdopen(os.dup(descriptor), 'wb') as f:
+      f.write(data)
+    return
+  try:
+    mode = os.stat(destination).st_mode
+  except FileNotFoundError:
+    mode = None
+  if mode is not None and not stat.S_ISREG(mode) and not stat.S_ISDIR(mode):
+    with open(destination, 'wb') as f:  # A named pipe's reader gets the lines as written.
+      f.write(data)
+    return
+  _replace_whole(destination, data, None if mode is None else stat.S_IMODE(mode))
+
+
+def _replace_whole(destination: str, data: bytes, mode: int | None) -> None:
+  folder, name = os.path.split(destination)
+  os.makedirs(folder, exist_ok=True)
+  tmp = os.path.join(folder, f'.{name}.{uuid.uuid4().hex[:8]}.tmp')
+  descriptor = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+  try:
+    with os.fdopen(descriptor, 'wb') as f:
+      if mode is not None:
+        os.fchmod(f.fileno(), mode)  # A file the user made private stays private.
+      f.write(data)
+    os.replace(tmp, destination)
+  except BaseException:
+    with contextlib.suppress(OSError):
+      os.unlink(tmp)
+    raise
+
+
+def local_or_remote(value: str | os.PathLike) -> epath.Path:
+  """A path given by code rather than a user: local ones made absolute, remote ones kept."""
+  text = os.fspath(value)
+  return epath.Path(text) if _SCHEME.match(text) else epath.Path(os.path.abspath(text))
+
+
+def move(source: epath.Path, destination: epath.Path) -> None:
+  """Moves a file or folder tree; on GCS object by object (copy, then delete)."""
+  source, destination = epath.Path(source), epath.Path(destination)
+  if is_gcs(source):
+    import fsspec  # pylint: disable=g-import-not-at-top
+
+    fsspec.filesystem('gcs').mv(os.fspath(source), os.fspath(destination), recursive=True)
+    return
+  destination.parent.mkdir(parents=True, exist_ok=True)
+  shutil.move(os.fspath(source), os.fspath(destination))

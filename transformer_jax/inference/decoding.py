@@ -1,0 +1,181 @@
+"""The model bound to the search: `greedy_decode` / `beam_decode` give `search.decode` (which
+never imports the model) a `tokens -> logits` step over the model's key/value cache, and the
+source length buckets every decoding caller pads to (`source_bucket`)."""
+
+from __future__ import annotations
+
+import jax
+
+from transformer_jax.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from transformer_jax.model.cache import extend_cache, reorder_beams, unstack_decoder_layers
+from transformer_jax.model.transformer import Transformer
+from transformer_jax.search import decode
+
+
+def init_cache(
+  model: Transformer,
+  params,
+  encoded: jax.Array,
+  src_ids: jax.Array,
+  max_decode_len: int,
+  beam_size: int = 1,
+):
+  """Creates the decoding cache (`Transformer.create_cache`) of src_ids.shape[0] sentences,
+  beam_size rows each: empty self-attention keys/values for `max_decode_len` positions and the
+  cross-attention keys/values projected once per sentence from the encoder output."""
+  del src_ids  # The steps read it: the cache holds only what the encoder output gives.
+  _, variables = model.apply(
+    {'params': params},
+    encoded,
+    max_decode_len=max_decode_len,
+    beam_size=beam_size,
+    mutable=['cache'],
+    method=Transformer.create_cache,
+  )
+  return variables['cache']
+
+
+# The self-attention cache of beam search's first steps; it doubles, up to the decode length.
+_FIRST_CACHE_LENGTH = 8
+
+
+def _cache_lengths(max_decode_len) -> tuple:
+  """Cached beam search's cache lengths, each a loop of its own (`decode.beam_search`'s
+  cache_lengths): 8, 16, 32, ... below max_decode_len, then max_decode_len, which replaces
+  the last power of two if that is within 25% of it (64 for 66: a loop compiled for 2 steps).
+  A symbolic length (jax.export) gets one loop."""
+  if not isinstance(max_decode_len, int):
+    return (max_decode_len,)
+  lengths, length = [], _FIRST_CACHE_LENGTH
+  while length < max_decode_len:
+    lengths.append(length)
+    length *= 2
+  if lengths and 1.25 * lengths[-1] >= max_decode_len:
+    lengths.pop()
+  return (*lengths, max_decode_len)
+
+
+def _cached_step_fn(model: Transformer, params, src_ids: jax.Array) -> decode.StepFn:
+  """The searches' step: tokens [rows, 1] and the cache -> (logits [rows, v], new cache), for
+  rows = b sentences (src_ids [b, s]) x the cache's beams."""
+  params = unstack_decoder_layers(params)  # Once, outside the search loop.
+
+  def step_fn(token_ids, cache):
+    logits, variables = model.apply(
+      {'params': params, 'cache': cache},
+      None,  # The encoder output: the cache holds its keys and values.
+      src_ids,
+      token_ids,
+      use_cache=True,
+      mutable=['cache'],
+      method=Transformer.decode,
+    )
+    return logits[:, -1], variables['cache']
+
+  return step_fn
+
+
+def greedy_decode(
+  model: Transformer, params, src_ids: jax.Array, *, max_decode_len: int, use_cache: bool = True
+) -> jax.Array:
+  """Greedy translation of a batch of source ids [b, s] -> output ids [b, max_decode_len].
+
+  Rows end with EOS followed by padding. Call under jit (`max_decode_len`, `use_cache` static).
+  """
+  batch_size = src_ids.shape[0]
+  encoded = model.apply({'params': params}, src_ids, method=Transformer.encode)
+  if use_cache:
+    # One cache length: greedy's cache is beam_size times smaller than beam search's, and
+    # growing it (`_cache_lengths`) measured no faster, for one more compiled loop per length.
+    return decode.greedy_search(
+      _cached_step_fn(model, params, src_ids),
+      init_cache(model, params, encoded, src_ids, max_decode_len),
+      batch_size=batch_size,
+      max_decode_len=max_decode_len,
+      bos_id=BOS_ID,
+      eos_id=EOS_ID,
+      pad_id=PAD_ID,
+    )
+
+  def logits_fn(target_input_ids):
+    return model.apply(
+      {'params': params}, encoded, src_ids, target_input_ids, method=Transformer.decode
+    )
+
+  return decode.greedy_search_uncached(
+    logits_fn,
+    batch_size=batch_size,
+    max_decode_len=max_decode_len,
+    bos_id=BOS_ID,
+    eos_id=EOS_ID,
+    pad_id=PAD_ID,
+  )
+
+
+def beam_decode(
+  model: Transformer,
+  params,
+  src_ids: jax.Array,
+  *,
+  beam_size: int,
+  alpha: float,
+  max_decode_len: int,
+  max_lengths: jax.Array | None = None,
+  use_cache: bool = True,
+  rule: str = 'exact',
+) -> tuple[jax.Array, jax.Array]:
+  """Beam search: source ids [b, s] -> (ids [b, beam, max_decode_len], scores [b, beam]).
+
+  Best hypothesis first; scores are log-probabilities divided by the GNMT length penalty.
+  `max_lengths` [b] caps each sentence's output (e.g. its source length + 50). `rule`:
+  decode.BEAM_RULES ('ctranslate2' ends and stops as CTranslate2 does; decode.beam_search).
+  """
+  batch_size = src_ids.shape[0]
+  encoded = model.apply({'params': params}, src_ids, method=Transformer.encode)
+  common = dict(
+    batch_size=batch_size,
+    beam_size=beam_size,
+    max_decode_len=max_decode_len,
+    bos_id=BOS_ID,
+    eos_id=EOS_ID,
+    pad_id=PAD_ID,
+    alpha=alpha,
+    max_lengths=max_lengths,
+    rule=rule,
+  )
+  if use_cache:
+    cache_lengths = _cache_lengths(max_decode_len)
+    # Made for batch * beam rows; its keys/values are never gathered, only its beam table.
+    cache = init_cache(model, params, encoded, src_ids, cache_lengths[0], beam_size)
+    return decode.beam_search(
+      _cached_step_fn(model, params, src_ids),
+      cache,
+      reorder_cache=reorder_beams,
+      cache_lengths=cache_lengths if len(cache_lengths) > 1 else (),
+      extend_cache=extend_cache,
+      **common,
+    )
+
+  # The uncached decoder runs on batch * beam rows; the source side is the same for every beam.
+  beam_encoded, beam_src = decode.expand_to_beams((encoded, src_ids), beam_size, batch_size)
+
+  def logits_fn(target_input_ids):
+    return model.apply(
+      {'params': params}, beam_encoded, beam_src, target_input_ids, method=Transformer.decode
+    )
+
+  return decode.beam_search_uncached(logits_fn, **common)
+
+
+# Source lengths are padded to powers of two from this one (source_bucket).
+MIN_SOURCE_BUCKET = 8
+# Extra target positions beyond the source length that decoding may use.
+EXTRA_DECODE_LENGTH = 50
+
+
+def source_bucket(length: int, limit: int) -> int:
+  """Smallest power of two >= length (at least 8, at most limit): few shapes, few compiles."""
+  bucket = MIN_SOURCE_BUCKET
+  while bucket < length:
+    bucket *= 2
+  return min(bucket, limit)

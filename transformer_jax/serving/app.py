@@ -1,0 +1,462 @@
+"""The translation server behind `python -m transformer_jax.serve`: HTTP on Starlette + uvicorn.
+
+    POST /v1/translate  {"text": [...], "beam_size": 4, "alpha": 0.6} -> {"translations": [...]}
+    POST /v1/attention  {"text": "...", ...} -> the translation and its cross-attention maps
+    GET  /healthz, GET /metrics (JSON), GET / (a page: translation and attention heatmap)
+
+Concurrent requests are batched (`batcher.py`) and decoded by one worker thread, never
+on the event loop. The JAX engine (`jax_engine.py`) compiles every shape a request can need at
+start-up, and /metrics counts XLA compilations to show that none happen afterwards.
+--engine=ctranslate2 exports the model at start-up (or reuses the export) and decodes through
+CTranslate2 in the same batcher (`ctranslate2_engine.py`); it has no attention maps. Errors are
+JSON, {"error": "..."}; SIGTERM (or Ctrl-C) stops accepting connections, answers
+the requests already received, and returns (the command exits 0).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import functools
+import importlib.resources
+import json
+import math
+import signal
+import socket
+import sys
+import time
+from typing import Any, Callable
+
+from absl import logging
+
+try:  # The optional [serve] extra; `serve` says what is missing.
+  import uvicorn
+  from starlette.applications import Starlette
+  from starlette.exceptions import HTTPException
+  from starlette.requests import Request
+  from starlette.responses import HTMLResponse, JSONResponse
+  from starlette.routing import Route
+except ModuleNotFoundError as missing:
+  _MISSING = missing.name
+else:
+  _MISSING = None
+
+from transformer_jax.common.errors import (
+  UserInputError,
+  check_integer_at_least,
+  check_number_at_least,
+  check_positive_integer,
+  is_integer,
+  is_number,
+)
+from transformer_jax.serving import ctranslate2_engine
+from transformer_jax.serving.batcher import (
+  Batcher,
+  Closed,
+  DecodingKey,
+  Engine,
+  Metrics,
+  QueueFull,
+)
+from transformer_jax.serving.jax_engine import CompileCounter, JaxEngine
+
+ENGINES = ('jax', 'ctranslate2')
+# Seconds a client is told to wait (Retry-After) when the queue is full.
+_RETRY_AFTER_S = 1
+# The page may run its own inline script and call this server, nothing else.
+_PAGE_POLICY = (
+  "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerOptions:
+  """The server's limits; `decoding` lists the (beam_size:alpha) pairs requests may ask for."""
+
+  host: str = '127.0.0.1'
+  port: int = 8000
+  max_batch_size: int = 16
+  max_wait_ms: float = 5.0
+  max_queue: int = 64
+  max_sentences: int = 64
+  max_chars: int = 1000
+  timeout_s: float = 30.0
+  decoding: str = '4:0.6,1:0'
+  # --engine=ctranslate2 only (ctranslate2_engine.py): weight type (None: int8), export folder
+  # (None: inside the workdir), OpenMP threads (None: 1).
+  quantization: str | None = None
+  ctranslate2_dir: str | None = None
+  intra_threads: int | None = None
+
+  def check(self) -> tuple[DecodingKey, ...]:
+    """One-line errors for impossible settings; returns the served decoding options."""
+    check_positive_integer('--max_batch_size', self.max_batch_size)
+    check_number_at_least('--max_wait_ms', self.max_wait_ms, 0)
+    check_positive_integer('--max_queue', self.max_queue)
+    check_positive_integer('--max_sentences', self.max_sentences)
+    check_positive_integer('--max_chars', self.max_chars)
+    check_number_at_least('--timeout_s', self.timeout_s, 0, strict=True)
+    check_integer_at_least('--port', self.port, 0)
+    if self.intra_threads is not None:
+      check_positive_integer('--intra_threads', self.intra_threads)
+    if self.port > 65535:
+      raise UserInputError(f'--port must be at most 65535, got {self.port}')
+    return parse_decoding(self.decoding)
+
+
+def parse_decoding(text: str) -> tuple[DecodingKey, ...]:
+  """'4:0.6,1:0' -> ((4, 0.6), (1, 0.0)); the first pair is the default. Beam 1 is greedy,
+  which has no length penalty: its alpha is always 0."""
+  options: list[DecodingKey] = []
+  for part in text.split(','):
+    beam, _, alpha = part.strip().partition(':')
+    try:
+      key = decoding_key(int(beam), float(alpha or 0))
+    except ValueError:
+      key = None
+    if key is None or (key[0] > 1 and not alpha):
+      raise UserInputError(
+        f'--decoding must be comma-separated beam_size:alpha pairs like 4:0.6,1:0, got {text!r}'
+      )
+    if key not in options:
+      options.append(key)
+  return tuple(options)
+
+
+def decoding_key(beam_size: int, alpha: float) -> DecodingKey | None:
+  if beam_size < 1 or not math.isfinite(alpha) or alpha < 0:
+    return None
+  return (beam_size, 0.0 if beam_size == 1 else float(alpha))
+
+
+def describe(key: DecodingKey) -> str:
+  return 'beam_size=1 (greedy)' if key[0] == 1 else f'beam_size={key[0]} alpha={key[1]:g}'
+
+
+class RequestError(Exception):
+  """A request the server refuses: its HTTP status and a one-line reason."""
+
+  def __init__(self, status: int, message: str, headers: dict[str, str] | None = None):
+    super().__init__(message)
+    self.status = status
+    self.headers = headers
+
+
+def _reject_constant(name: str):
+  raise ValueError(f'{name} is not JSON')
+
+
+class Service:
+  """The HTTP application: request checks, the batcher, the metrics; `app` is the ASGI app."""
+
+  def __init__(
+    self,
+    engine: Engine,
+    options: ServerOptions,
+    *,
+    compile_counter: CompileCounter | None = None,
+    warmup_s: float = 0.0,
+  ):
+    self.engine = engine
+    self.options = options
+    self.decoding = options.check()
+    self.compile_counter = compile_counter
+    self.compilations_at_ready = self._compilations()
+    self.warmup_s = warmup_s
+    self.metrics = Metrics()
+    self.batcher = Batcher(
+      engine,
+      self.metrics,
+      max_batch_size=options.max_batch_size,
+      max_wait_s=options.max_wait_ms / 1000,
+      max_queue=options.max_queue,
+    )
+    # JSON escapes take up to 12 bytes per character (a surrogate pair), plus quotes and commas.
+    self.max_body_bytes = options.max_sentences * (12 * options.max_chars + 8) + 1024
+    self.app = Starlette(
+      routes=[
+        Route('/', self.page, methods=['GET']),
+        Route('/healthz', self.healthz, methods=['GET']),
+        Route('/metrics', self.metrics_endpoint, methods=['GET']),
+        Route('/v1/translate', self.translate, methods=['POST']),
+        Route('/v1/attention', self.attention, methods=['POST']),
+      ],
+      exception_handlers={HTTPException: _http_error, Exception: _internal_error},
+    )
+
+  def _compilations(self) -> int:
+    return self.compile_counter.count if self.compile_counter else self.engine.compilations()
+
+  async def page(self, request: Request) -> HTMLResponse:
+    return HTMLResponse(_page(), headers={'Content-Security-Policy': _PAGE_POLICY})
+
+  async def healthz(self, request: Request) -> JSONResponse:
+    return JSONResponse({'status': 'ok', 'engine': self.engine.name})
+
+  async def metrics_endpoint(self, request: Request) -> JSONResponse:
+    queued, in_flight = self.batcher.depth()
+    compilations = self._compilations()
+    snapshot = self.metrics.snapshot()
+    snapshot.update(
+      queue_depth=queued,
+      in_flight=in_flight,
+      compilations=compilations,
+      compilations_since_ready=compilations - self.compilations_at_ready,
+      persistent_cache_hits=getattr(self.compile_counter, 'persistent_cache_hits', 0),
+      warmup_s=round(self.warmup_s, 3),
+      engine=self.engine.name,
+      max_batch_size=self.options.max_batch_size,
+      batch_buckets=getattr(self.engine, 'buckets', None),
+      decoding=[{'beam_size': beam, 'alpha': alpha} for beam, alpha in self.decoding],
+    )
+    return JSONResponse(snapshot)
+
+  async def translate(self, request: Request) -> JSONResponse:
+    async def work(payload: dict[str, Any]) -> dict[str, Any]:
+      sentences = self._sentences(payload.get('text', None))
+      if not sentences:
+        return {'translations': []}
+      ticket = self.batcher.submit(sentences, self._decoding(payload))
+      return {'translations': await self._wait(ticket)}
+
+    return await self._handle(request, work)
+
+  async def attention(self, request: Request) -> JSONResponse:
+    async def work(payload: dict[str, Any]) -> dict[str, Any]:
+      text = payload.get('text')
+      if not isinstance(text, str) or not text.strip():
+        raise RequestError(400, f'"text" must be a non-blank string, got {_kind(text)}')
+      (source,) = self._sentences([text])
+      key = self._decoding(payload)
+      if not self.engine.has_attention:
+        raise RequestError(501, f'the {self.engine.name} engine has no attention maps')
+      ticket = self.batcher.submit_job(functools.partial(self.engine.attention, source, *key))
+      return await self._wait(ticket)
+
+    return await self._handle(request, work)
+
+  async def _handle(self, request: Request, work: Callable) -> JSONResponse:
+    """Parses the body, runs `work`, and answers: 200 with its result, or a JSON error."""
+    began = time.perf_counter()
+    try:
+      payload = _json_object(await self._body(request))
+      unknown = sorted(set(payload) - {'text', 'beam_size', 'alpha'})
+      if unknown:
+        raise RequestError(
+          400, f'unknown field(s) {", ".join(unknown)}: expected text, beam_size, alpha'
+        )
+      if 'text' not in payload:
+        raise RequestError(400, 'missing field "text"')
+      result = await work(payload)
+    except RequestError as error:
+      self.metrics.response(error.status)
+      return JSONResponse({'error': str(error)}, error.status, headers=error.headers)
+    except QueueFull as error:
+      self.metrics.response(503)
+      headers = {'Retry-After': str(_RETRY_AFTER_S)}
+      return JSONResponse({'error': f'{error}; retry later'}, 503, headers=headers)
+    except Closed as error:
+      self.metrics.response(503)
+      return JSONResponse({'error': str(error)}, 503)
+    except Exception:  # A bug: 500 with a JSON error (`_internal_error`), and its traceback.
+      self.metrics.response(500)
+      raise
+    self.metrics.response(200, time.perf_counter() - began)
+    return JSONResponse(result)
+
+  async def _body(self, request: Request) -> bytes:
+    declared = request.headers.get('content-length', '')
+    if declared.isdigit() and int(declared) > self.max_body_bytes:
+      raise RequestError(413, f'the body has {declared} bytes; at most {self.max_body_bytes}')
+    chunks, size = [], 0
+    async for chunk in request.stream():
+      size += len(chunk)
+      if size > self.max_body_bytes:
+        raise RequestError(413, f'the body is over {self.max_body_bytes} bytes')
+      chunks.append(chunk)
+    return b''.join(chunks)
+
+  def _sentences(self, text: Any) -> list[str]:
+    limit, max_chars = self.options.max_sentences, self.options.max_chars
+    if not isinstance(text, list):
+      raise RequestError(400, f'"text" must be a list of strings, got {_kind(text)}')
+    if len(text) > limit:
+      raise RequestError(413, f'"text" has {len(text)} sentences; at most {limit} per request')
+    for index, sentence in enumerate(text):
+      if not isinstance(sentence, str):
+        raise RequestError(400, f'"text"[{index}] must be a string, got {_kind(sentence)}')
+      if len(sentence) > max_chars:
+        raise RequestError(
+          413, f'"text"[{index}] has {len(sentence)} characters; at most {max_chars}'
+        )
+      try:
+        sentence.encode('utf-8')
+      except UnicodeEncodeError:
+        raise RequestError(400, f'"text"[{index}] is not valid Unicode (a lone surrogate)')
+    return text
+
+  def _decoding(self, payload: dict[str, Any]) -> DecodingKey:
+    beam_size = payload.get('beam_size', self.decoding[0][0])
+    alpha = payload.get('alpha', self.decoding[0][1])
+    if not is_integer(beam_size) or beam_size < 1:
+      raise RequestError(400, f'"beam_size" must be a positive integer, got {_kind(beam_size)}')
+    if not is_number(alpha) or not alpha >= 0:
+      raise RequestError(400, f'"alpha" must be a number >= 0, got {_kind(alpha)}')
+    key = decoding_key(beam_size, alpha)
+    if key not in self.decoding:
+      served = '; '.join(describe(option) for option in self.decoding)
+      raise RequestError(400, f'{describe(key)} is not served here; served: {served}')
+    return key
+
+  async def _wait(self, ticket) -> Any:
+    try:
+      return await asyncio.wait_for(asyncio.wrap_future(ticket.future), self.options.timeout_s)
+    except asyncio.TimeoutError:
+      ticket.abandon()
+      raise RequestError(504, f'not translated within {self.options.timeout_s:g} s') from None
+
+  def close(self) -> bool:
+    if self.compile_counter:
+      self.compile_counter.close()
+    return self.batcher.close(timeout=self.options.timeout_s)
+
+
+def _kind(value: Any) -> str:
+  """A short description of a wrong value for an error message: its JSON type and a preview."""
+  if value is None:
+    return 'null'
+  names = {bool: 'boolean', int: 'number', float: 'number', str: 'string', list: 'array'}
+  name = names.get(type(value), 'object')
+  preview = json.dumps(value, ensure_ascii=False)
+  return f'{name} {preview[:40]}{"..." if len(preview) > 40 else ""}'
+
+
+def _json_object(body: bytes) -> dict[str, Any]:
+  try:
+    text = body.decode('utf-8')
+  except UnicodeDecodeError as error:
+    raise RequestError(400, f'the body is not valid UTF-8 (byte {error.start})') from None
+  try:
+    payload = json.loads(text, parse_constant=_reject_constant)
+  except ValueError as error:
+    raise RequestError(400, f'the body is not JSON: {error}') from None
+  if not isinstance(payload, dict):
+    raise RequestError(400, f'the body must be a JSON object, got {_kind(payload)}')
+  return payload
+
+
+async def _http_error(request: Request, error: HTTPException) -> JSONResponse:
+  return JSONResponse({'error': error.detail}, error.status_code, headers=error.headers)
+
+
+async def _internal_error(request: Request, error: Exception) -> JSONResponse:
+  logging.error('%s %s failed: %r', request.method, request.url.path, error)
+  return JSONResponse({'error': f'internal error: {type(error).__name__}'}, 500)
+
+
+@functools.lru_cache(maxsize=1)
+def _page() -> str:
+  return importlib.resources.files('transformer_jax').joinpath('serving', 'page.html').read_text()
+
+
+def _server(config: uvicorn.Config, on_exit: Callable[[], None]) -> uvicorn.Server:
+  """uvicorn's server, whose signal handler also tells the batcher to stop waiting."""
+
+  class Server(uvicorn.Server):
+    def handle_exit(self, sig: int, frame) -> None:
+      logging.info('signal %d: draining in-flight requests', sig)
+      on_exit()
+      super().handle_exit(sig, frame)
+
+  return Server(config)
+
+
+def bind(host: str, port: int) -> socket.socket:
+  """The address, taken before the model loads (a busy port fails at once); it starts listening
+  once warm, so that until then clients are refused rather than kept waiting."""
+  try:
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(address)
+  except OSError as error:
+    raise UserInputError(f'cannot listen on {host}:{port}: {error.strerror or error}') from None
+  sock.set_inheritable(True)
+  return sock
+
+
+@contextlib.contextmanager
+def _signals_end_quietly():
+  """uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown; this makes that re-raise a
+  no-op, so that a drained server returns normally (exit 0)."""
+  previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
+  try:
+    yield
+  finally:
+    for sig, handler in previous.items():
+      signal.signal(sig, handler)
+
+
+def serve(
+  workdir: str,
+  *,
+  checkpoint: int | str | None = None,
+  engine: str = 'jax',
+  options: ServerOptions = ServerOptions(),
+) -> None:
+  """Loads the model, compiles every shape, serves until SIGTERM/SIGINT, drains, returns."""
+  decoding = options.check()
+  if _MISSING:
+    raise UserInputError(
+      f"the server needs {_MISSING}: pip install 'transformer_jax[serve]' (Starlette, uvicorn)"
+    )
+  if engine not in ENGINES:
+    raise UserInputError(f'--engine must be one of {", ".join(ENGINES)}, got {engine!r}')
+  if engine == 'ctranslate2':
+    ctranslate2_engine.require()
+  elif options.quantization or options.ctranslate2_dir or options.intra_threads is not None:
+    raise UserInputError(
+      '--quantization, --ctranslate2_dir and --intra_threads are for --engine=ctranslate2'
+    )
+  sock = bind(options.host, options.port)
+  began = time.perf_counter()
+  if engine == 'jax':
+    counter = CompileCounter()
+    loaded = JaxEngine.load(workdir, checkpoint, options.max_batch_size)
+  else:
+    counter = None  # CTranslate2 compiles nothing; restoring for the export is not serving.
+    loaded, how = ctranslate2_engine.load(
+      workdir,
+      checkpoint,
+      max_batch_size=options.max_batch_size,
+      quantization=options.quantization,
+      directory=options.ctranslate2_dir,
+      intra_threads=options.intra_threads,
+    )
+  loaded.warm_up(decoding)
+  warmup_s = time.perf_counter() - began
+  service = Service(loaded, options, compile_counter=counter, warmup_s=warmup_s)
+  service.batcher.start()
+  config = uvicorn.Config(
+    service.app,
+    log_config=None,
+    log_level='warning',
+    access_log=False,
+    lifespan='off',
+    timeout_graceful_shutdown=math.ceil(options.timeout_s) + 5,
+  )
+  sock.listen(config.backlog)  # Clients that come before uvicorn runs wait in the backlog.
+  host, port = sock.getsockname()[:2]
+  how = f'{counter.count} programs compiled' if counter else how
+  print(
+    f'serving on http://{host}:{port} ({how} in {warmup_s:.1f} s; '
+    f'{", ".join(describe(key) for key in decoding)})',
+    file=sys.stderr,
+    flush=True,
+  )
+  with _signals_end_quietly():
+    _server(config, on_exit=service.batcher.flush).run(sockets=[sock])
+  drained = service.close()
+  print(f'stopped{"" if drained else " (the decoder did not finish)"}', file=sys.stderr, flush=True)

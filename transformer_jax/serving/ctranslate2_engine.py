@@ -1,0 +1,212 @@
+"""The translation server's CTranslate2 engine (`python -m transformer_jax.serve
+--engine=ctranslate2`): the workdir's model exported at start-up, kept, and reused.
+
+The export (`ctranslate2_spec.model_spec`, quantised to --quantization) goes to
+--ctranslate2_dir, by default `Workdir.ctranslate2_export` inside the workdir, with a record of
+what it was made from (`SOURCE_FILE`): a SHA-256 over the parameters the checkpoint restores to,
+the model config, the vocabulary, the weight type, the ctranslate2 version and the exporter's
+own code. The server restores the checkpoint it would serve (as --engine=jax, --checkpoint
+chosen the same way), hashes it, and loads the folder as it is when the record matches; any
+difference (a newer checkpoint, another --quantization, another ctranslate2) exports again,
+into a hidden sibling folder renamed into place, so the folder is always whole. A folder that
+holds files but no record (not written by the server) is refused rather than replaced.
+
+Decoding is `ctranslate2_runtime.translate` (GNMT ranking of CTranslate2's n-best, as ours):
+with float32 weights the server's translations are the jax engine's. CTranslate2 compiles
+nothing; one worker thread (the batcher's) calls it, with `intra_threads` OpenMP threads
+(`DEFAULT_THREADS`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import time
+from typing import Sequence
+
+import jax
+import numpy as np
+from absl import logging
+
+from transformer_jax.common import paths
+from transformer_jax.common.errors import UserInputError
+from transformer_jax.exporters import ctranslate2_runtime, ctranslate2_spec
+from transformer_jax.inference.translator import Translator
+from transformer_jax.serving.batcher import DecodingKey, Engine
+from transformer_jax.workdir.layout import Workdir, check_folder_writable
+
+# The weight type users deploy: ~2.3x float32's speed on this CPU (issue 17), and >= 98% exact
+# match on the number-words task (tests/export_test.py). float32 translates exactly as ours.
+DEFAULT_QUANTIZATION = 'int8'
+# OpenMP threads of the one Translator. More decode faster only on cores nothing else uses: on
+# the shared 2-core CPU (load average 3-5 from other jobs), 2 threads decoded beam 4 at 5-40
+# sentences/s against 90-107 for 1 (GNU OpenMP, OMP_WAIT_POLICY active or passive; bench/README.md).
+DEFAULT_THREADS = 1
+# What the export was made from, written last into the export folder.
+SOURCE_FILE = 'transformer_jax_source.json'
+
+
+def require():
+  """The ctranslate2 module, or a one-line UserInputError saying how to install it."""
+  return ctranslate2_runtime.import_ctranslate2('--engine=ctranslate2')
+
+
+def source_digest(translator: Translator, quantization: str, ctranslate2_version: str) -> str:
+  """SHA-256 of everything the export is a function of (see the module docstring)."""
+  digest = hashlib.sha256()
+  exporter = importlib.util.find_spec(ctranslate2_spec.__name__).origin
+  with open(exporter, 'rb') as f:
+    digest.update(f.read())
+  header = {
+    'model': translator.model_config.to_dict(),
+    'vocabulary': translator.tokenizer.fingerprint,
+    'quantization': quantization,
+    'ctranslate2': ctranslate2_version,
+  }
+  digest.update(json.dumps(header, sort_keys=True, default=str).encode())
+  for path, leaf in jax.tree_util.tree_flatten_with_path(translator.params)[0]:
+    array = np.ascontiguousarray(jax.device_get(leaf))
+    digest.update(f'{jax.tree_util.keystr(path)} {array.dtype} {array.shape}'.encode())
+    digest.update(array.data)
+  return digest.hexdigest()
+
+
+def read_source(directory: str) -> dict | None:
+  """The record of a server-written export folder, None when there is none (or unreadable)."""
+  try:
+    with open(os.path.join(directory, SOURCE_FILE), encoding='utf-8') as f:
+      record = json.load(f)
+  except (OSError, ValueError):
+    return None
+  return record if isinstance(record, dict) else None
+
+
+def prepare(
+  workdir: str,
+  checkpoint: int | str | None,
+  quantization: str,
+  directory: str | None = None,
+) -> tuple[str, Translator, bool]:
+  """Exports the checkpoint to `directory` unless it holds that export already.
+
+  Returns (the folder, the restored `Translator`, whether the folder was reused).
+  """
+  ctranslate2 = require()
+  ctranslate2_spec.check_quantization(quantization)
+  flag = '--ctranslate2_dir'  # Named in errors about the default folder too: it overrides it.
+  if directory is None:
+    if Workdir(workdir).is_remote:
+      raise UserInputError(
+        f'--workdir={workdir}: CTranslate2 reads local folders only; give --ctranslate2_dir'
+      )
+    directory = os.fspath(Workdir(workdir).ctranslate2_export)
+  elif paths.is_gcs(directory):
+    raise UserInputError(f'--ctranslate2_dir={directory}: CTranslate2 reads local folders only')
+  directory = os.path.abspath(directory)
+  record = read_source(directory)
+  if os.path.exists(directory) and not os.path.isdir(directory):
+    raise UserInputError(f'{flag}={directory} is a file, not a folder')
+  if record is None and os.path.isdir(directory) and os.listdir(directory):
+    raise UserInputError(
+      f'{flag}={directory} holds files the server did not write; give an empty or new folder'
+    )
+  restored = Translator.from_checkpoint(workdir, checkpoint, batch_size=1)
+  digest = source_digest(restored, quantization, ctranslate2.__version__)
+  if record is not None and record.get('digest') == digest:
+    return directory, restored, True
+  check_folder_writable(directory, flag)
+  parent = os.path.dirname(directory)  # The export is written beside it, then renamed.
+  if os.path.isdir(parent) and not os.access(parent, os.W_OK | os.X_OK):
+    raise UserInputError(f'{flag}={directory}: cannot replace it (cannot write in {parent})')
+  began = time.perf_counter()
+  spec = ctranslate2_spec.model_spec(restored.model_config, restored.params, restored.tokenizer)
+  spec.optimize(quantization=quantization)
+  record = {
+    'digest': digest,
+    'workdir': str(Workdir(workdir).path),  # gs:// kept as it is
+    'checkpoint': checkpoint or 'default (averaged if current, else latest)',
+    'quantization': quantization,
+    'ctranslate2': ctranslate2.__version__,
+    'written': time.strftime('%Y-%m-%dT%H:%M:%S%z'),
+  }
+  _write(spec, Workdir(workdir).vocab_file.read_bytes(), record, directory)
+  logging.info('exported to %s in %.1f s', directory, time.perf_counter() - began)
+  return directory, restored, False
+
+
+def _write(spec, vocabulary: bytes, record: dict, directory: str) -> None:
+  """The spec, the SentencePiece model and the record (last) into a hidden sibling folder, which
+  then replaces `directory` (`paths.staged_folder`)."""
+  with paths.staged_folder(directory) as staging:
+    spec.save(staging)
+    with open(os.path.join(staging, ctranslate2_spec.SENTENCEPIECE_FILE), 'wb') as f:
+      f.write(vocabulary)
+    with open(os.path.join(staging, SOURCE_FILE), 'w', encoding='utf-8') as f:
+      json.dump(record, f, indent=2, sort_keys=True)
+
+
+class CTranslate2Engine(Engine):
+  """A `ctranslate2.Translator` over an exported folder; nothing to compile, no attention maps."""
+
+  name = 'ctranslate2'
+
+  def __init__(
+    self, directory: str, max_len: int, max_batch_size: int, intra_threads: int | None = None
+  ):
+    ctranslate2 = require()
+    import sentencepiece  # A dependency of transformer_jax itself.
+
+    self.directory = directory
+    self.max_len = max_len
+    self.max_batch_size = max_batch_size
+    self.intra_threads = intra_threads or DEFAULT_THREADS
+    self.translator = ctranslate2.Translator(
+      directory, device='cpu', inter_threads=1, intra_threads=self.intra_threads
+    )
+    self.sentencepiece = sentencepiece.SentencePieceProcessor(
+      model_file=os.path.join(directory, ctranslate2_spec.SENTENCEPIECE_FILE)
+    )
+
+  def length(self, sentence: str) -> int:
+    return len(self.sentencepiece.encode(sentence))
+
+  def translate(self, sentences: Sequence[str], beam_size: int, alpha: float) -> list[str]:
+    if len(sentences) > self.max_batch_size:
+      raise ValueError(f'{len(sentences)} sentences in one batch; at most {self.max_batch_size}')
+    return ctranslate2_runtime.translate(
+      self.translator,
+      self.sentencepiece,
+      sentences,
+      max_len=self.max_len,
+      beam_size=beam_size,
+      alpha=alpha,
+      max_batch_size=self.max_batch_size,
+    )
+
+  def warm_up(self, options: Sequence[DecodingKey]) -> None:
+    """One full batch per decoding option: CTranslate2 allocates its buffers on first use."""
+    sentence = self.sentencepiece.decode(list(range(4, min(20, self.sentencepiece.vocab_size()))))
+    for beam_size, alpha in options:
+      self.translate([sentence] * self.max_batch_size, beam_size, alpha)
+
+
+def load(
+  workdir: str,
+  checkpoint: int | str | None,
+  *,
+  max_batch_size: int,
+  quantization: str | None = None,
+  directory: str | None = None,
+  intra_threads: int | None = None,
+) -> tuple[CTranslate2Engine, str]:
+  """The engine, and a few words for the start-up line: which export, reused or written."""
+  quantization = quantization or DEFAULT_QUANTIZATION
+  directory, restored, reused = prepare(workdir, checkpoint, quantization, directory)
+  max_len = restored.model_config.max_len
+  del restored  # The JAX parameters are not needed any more.
+  engine = CTranslate2Engine(directory, max_len, max_batch_size, intra_threads)
+  what = 'reused from' if reused else 'exported to'
+  threads = f'{engine.intra_threads} thread{"s" if engine.intra_threads > 1 else ""}'
+  return engine, f'{quantization} CTranslate2 model {what} {directory}, loaded ({threads})'

@@ -1,0 +1,268 @@
+"""Training: `train_and_evaluate(config, workdir)`, the loop around `training.step.train_step`.
+
+Every config and permission check first (before any data work), the workdir's lock, data,
+vocabulary and run config, then the steps with evaluations, checkpoints (resumed from the
+latest intact one), preemption (SIGTERM/SIGINT save and return) and NaN/Inf guards."""
+
+from __future__ import annotations
+
+import errno
+import time
+
+import jax
+import ml_collections
+from absl import logging
+
+from transformer_jax.checkpoints.checkpointer import Checkpointer, restore_params_from
+from transformer_jax.common.errors import CorruptCheckpointError, NonFiniteError, UserInputError
+from transformer_jax.common.log import format_duration, log
+from transformer_jax.data import input_pipeline
+from transformer_jax.evaluation import metrics
+from transformer_jax.training import host_memory
+from transformer_jax.training.metric_writers import MetricWriter, TrainingLog
+from transformer_jax.training.preemption import PreemptionFlag as _PreemptionFlag
+from transformer_jax.training.run_config import (
+  model_config_from,
+  save_run_config,
+  validate_run_config,
+)
+from transformer_jax.training.step import TrainState
+from transformer_jax.training.trainer import Trainer, decode_split
+from transformer_jax.workdir import imported
+from transformer_jax.workdir.layout import Workdir, check_folder_writable
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
+  """Trains (resuming from the workdir's latest checkpoint if any), evaluates, checkpoints.
+
+  Returns the last evaluation's metrics (and the final test exact match when configured).
+  SIGTERM/SIGINT save a checkpoint at the current step and return early with 'preempted': 1;
+  before the first step they raise `errors.Interrupted` (see `preemption.py`). Every config
+  and permission check runs first, before any data is prepared.
+  """
+  # First: it covers only threads JAX starts afterwards.
+  host_memory.reuse_freed_memory_if_configured(config)
+  workdir = Workdir(workdir)
+  workdir.check_not_a_file()
+  imported.adopt(config, workdir)  # A pretrained model's architecture and vocabulary.
+  validate_run_config(config)
+  workdir.check_writable()  # Before the lock, a file in it.
+  if config.data_dir:  # One that exists may be read-only: a shared, prepared one is only read.
+    check_folder_writable(config.data_dir, 'config.data_dir', unless_it_exists=True)
+  lock = workdir.lock(jax.process_index(), config.lock_expiry_seconds)
+  with lock, _PreemptionFlag() as preemption:
+    try:
+      return _train_and_evaluate(config, workdir, preemption, lock)
+    except Exception:
+      if preemption.start_up_interruption is None:
+        raise
+      # A library made its own error of the interruption (SentencePiece: a RuntimeError).
+      raise preemption.start_up_interruption from None
+
+
+class _Run:
+  """What the loop works with: data, vocabulary, trainer, checkpointer, writer."""
+
+  def __init__(self, config: ml_collections.ConfigDict, workdir: Workdir):
+    self.config = config
+    self.sources = input_pipeline.load_data_sources(config, config.data_dir or workdir.data)
+    self.tokenizer = input_pipeline.load_or_train_tokenizer(
+      config, workdir, self.sources[config.train_split]
+    )
+    self.model_config = model_config_from(config, self.tokenizer.vocab_size)
+    save_run_config(config, self.model_config, workdir)
+    self.tokenized = input_pipeline.tokenized_splits(
+      self.sources,
+      self.tokenizer,
+      config,
+      workdir,
+      target_tokenizer=input_pipeline.load_target_tokenizer(workdir),
+    )
+    self.trainer = Trainer(config, self.model_config)
+    self.train_iterator = input_pipeline.make_train_iterator(
+      self.tokenized[config.train_split],
+      config,
+      process_index=jax.process_index(),
+      process_count=jax.process_count(),
+      local_device_count=jax.local_device_count(),
+    )
+    self.eval_batches = input_pipeline.make_eval_batches(
+      self.tokenized[config.eval_split], config, batch_size=config.eval_batch_size
+    )
+    self.checkpointer = Checkpointer(
+      workdir.checkpoints,
+      keep=config.keep_checkpoints,
+      damaged_directory=workdir.damaged_checkpoints,
+    )
+    self.writer = MetricWriter(workdir.tensorboard)
+    self.workdir = workdir
+
+  def restore_or_init(self) -> TrainState:
+    """The latest intact checkpoint's state (and input position), else a fresh state."""
+    damaged = []
+    restored = self.checkpointer.restore_latest_valid(
+      self.trainer.abstract_state,
+      on_error=lambda error: (
+        damaged.append(error),
+        logging.warning('%s; falling back to the previous checkpoint', error),
+      ),
+    )
+    if restored is None and damaged:
+      raise CorruptCheckpointError(
+        f'every checkpoint in {self.checkpointer.directory} was damaged and has been moved '
+        f'aside (newest: {damaged[0]}); rerun to start from scratch, or repair them by hand'
+      )
+    if restored is None:
+      state = self.trainer.init_state(self.config.seed)
+      if imported.imported_params_are_latest(self.workdir, trained=False):
+        # Fine-tuning an imported model: its parameters, a fresh optimiser state.
+        params = restore_params_from(str(self.workdir.imported), self.trainer.abstract_state.params)
+        state = state.replace(params=params)
+        log(f'fine-tuning the imported model in {self.workdir.imported}')
+      return state
+    state, data_state, _ = restored
+    self.train_iterator.set_state(data_state['train_iterator'])
+    log(f'resumed from {self.checkpointer.directory} at step {int(state.step)}')
+    return state
+
+  def evaluate(self, params, step: int) -> dict[str, float]:
+    config = self.config
+    result = self.trainer.evaluate(params, self.eval_batches)
+    if config.eval_decode_examples:
+      texts = self.decode_split(params, config.eval_split, config.eval_decode_examples)
+      with_bleu = metrics.bleu_is_meaningful(config.dataset)
+      result.update(metrics.translation_metrics(texts[1], texts[2], with_bleu=with_bleu))
+      self.writer.write_texts(step, {'eval/samples': _samples_markdown(*texts)})
+    self.writer.write_scalars(step, {f'eval/{k}': v for k, v in result.items()})
+    log(f'eval step {step}: ' + ', '.join(f'{k} {v:.4f}' for k, v in result.items()))
+    return result
+
+  def test(self, params, step: int) -> dict[str, float]:
+    """Greedy exact match on the test split (by category where the task has them), chrF, and
+    BLEU where it means something (`metrics.bleu_is_meaningful`)."""
+    sources, references, hypotheses = self.decode_split(params, self.config.test_split, None)
+    categories = metrics.sentence_categories(self.config.dataset, sources)
+    with_bleu = metrics.bleu_is_meaningful(self.config.dataset)
+    test = metrics.translation_metrics(
+      references, hypotheses, categories=categories, with_bleu=with_bleu
+    )
+    self.writer.write_scalars(step, {f'test/{k}': v for k, v in test.items()})
+    hits = sum(h == r for h, r in zip(hypotheses, references))
+    bleu = f'BLEU {test["bleu"]:.2f}, ' if with_bleu else ''
+    lines = [
+      f'test exact match (greedy, {len(references):,} sentences): '
+      f'{100 * test["exact_match"]:.2f}% ({hits:,}/{len(references):,}); '
+      f'{bleu}chrF {test["chrf"]:.2f}'
+    ]
+    if categories is not None:
+      by_category = metrics.exact_match_by_category(references, hypotheses, categories)
+      lines += ['test exact match by category:', *metrics.format_categories(by_category)]
+    for line in lines:
+      log(line)
+    return {f'test_{k}': v for k, v in test.items()}
+
+  def decode_split(self, params, split: str, max_examples: int | None):
+    return decode_split(
+      self.trainer,
+      params,
+      self.sources[split],
+      self.tokenized[split],
+      self.tokenizer,
+      self.config,
+      max_examples,
+    )
+
+  def save(self, state: TrainState, step: int) -> None:
+    # Skipped updates keep parameters finite; this guards against anything else.
+    if not bool(self.trainer.all_finite(state.params)):
+      raise NonFiniteError(f'parameters are not finite at step {step}; not checkpointing')
+    self.checkpointer.save(step, state, {'train_iterator': self.train_iterator.get_state()})
+
+  def close(self) -> None:
+    self.checkpointer.close()
+    self.writer.close()
+
+
+def _train_and_evaluate(
+  config, workdir: Workdir, preemption: _PreemptionFlag, lock
+) -> dict[str, float]:
+  try:
+    run = _Run(config, workdir)
+  except OSError as error:  # What the checks above cannot see: a read-only file or subfolder.
+    if error.errno not in (errno.EACCES, errno.EPERM, errno.EROFS) or not error.filename:
+      raise
+    raise UserInputError(f'cannot use {error.filename}: {error.strerror}') from None
+  try:
+    return _loop(run, preemption, workdir, lock)
+  finally:
+    run.close()
+
+
+def _every(step: int, interval: int, last_step: int) -> bool:
+  return step % interval == 0 or step == last_step
+
+
+def _loop(run: _Run, preemption: _PreemptionFlag, workdir: Workdir, lock) -> dict[str, float]:
+  config, trainer = run.config, run.trainer
+  run_start = time.time()
+  state = run.restore_or_init()
+  start_step = step = int(state.step)
+  num_params = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
+  log(f'model: {num_params:,} parameters, {run.model_config}')
+  training_log = TrainingLog(run.writer, config.num_train_steps, start_step)
+  eval_metrics: dict[str, float] = {}
+  previous_metrics = None
+  for step in range(start_step + 1, config.num_train_steps + 1):
+    if step == start_step + 1:  # Otherwise the tens of seconds XLA takes pass in silence.
+      log('compiling the training step')
+      compile_start = time.time()
+    state, step_metrics = trainer.step(state, next(run.train_iterator))
+    if step == start_step + 1:
+      jax.block_until_ready(step_metrics)
+      log(f'training step compiled and run once in {format_duration(time.time() - compile_start)}')
+    training_log.add(step_metrics)
+    # Check the previous step's streak: it is done by now, so this does not stall the device.
+    if previous_metrics is not None:
+      streak = int(previous_metrics['nonfinite_streak'])
+      if streak >= config.max_consecutive_nonfinite_steps:
+        raise NonFiniteError(
+          f'loss or gradients were NaN/Inf for {streak} consecutive steps '
+          f'({step - streak}..{step - 1}); stopping. The latest checkpoint '
+          f'({run.checkpointer.latest_step()}) holds finite parameters: lower the learning '
+          'rate or inspect the data before resuming'
+        )
+    previous_metrics = step_metrics
+    if lock.lost:  # Another run took over a gs:// workdir's lock (gcs_lock.py): stop writing.
+      raise UserInputError(
+        f'{workdir}: another training process took over this workdir after this one was '
+        f'silent longer than its lock expiry; stopping at step {step} without saving'
+      )
+    if _every(step, config.log_every_steps, config.num_train_steps):
+      training_log.write(step, int(jax.device_get(state.skipped_steps)))
+    if preemption.should_stop(step):
+      run.save(state, step)
+      run.checkpointer.wait_until_finished()
+      log(
+        f'{preemption.signal_name or "preemption"} received: checkpoint saved at step {step}; '
+        'rerun the same command to resume'
+      )
+      return {**eval_metrics, 'preempted': 1.0, 'step': float(step)}
+    if _every(step, config.eval_every_steps, config.num_train_steps):
+      eval_metrics = run.evaluate(state.params, step)
+    if _every(step, config.checkpoint_every_steps, config.num_train_steps):
+      run.save(state, step)
+      training_log.restart_clock()
+  if not eval_metrics:  # Nothing left to train: report on the restored state.
+    eval_metrics = run.evaluate(state.params, step)
+  run.checkpointer.wait_until_finished()
+  if config.final_test_decode:
+    eval_metrics.update(run.test(state.params, step))
+  log(f'done in {format_duration(time.time() - run_start)}; workdir {workdir.path}')
+  return eval_metrics
+
+
+def _samples_markdown(sources, references, hypotheses, count: int = 3) -> str:
+  rows = ['| source | reference | greedy |', '|---|---|---|']
+  for triple in list(zip(sources, references, hypotheses))[:count]:
+    rows.append('| ' + ' | '.join(t.replace('|', '\\|') for t in triple) + ' |')
+  return '\n'.join(rows)

@@ -1,0 +1,154 @@
+"""The pure training step: `train_step(state, batch, ...) -> (state, metrics)` (gradient
+accumulation, NaN/Inf updates skipped and counted), `eval_step`, and the decoder's shifted
+inputs. Jitted over the mesh by `training.trainer.Trainer`."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax.training import train_state
+
+from transformer_jax.data import batching
+from transformer_jax.data.tokenizer import BOS_ID, PAD_ID
+from transformer_jax.model.transformer import Transformer
+from transformer_jax.training.losses import label_smoothed_cross_entropy
+
+
+class TrainState(train_state.TrainState):
+  """step, params, opt_state (from flax) + dropout key and the count of skipped updates."""
+
+  dropout_rng: jax.Array  # uint32[2]; step t uses fold_in(dropout_rng, t).
+  skipped_steps: jax.Array  # int32: updates skipped because the loss or a gradient was NaN/Inf.
+  nonfinite_streak: jax.Array  # int32: consecutive skipped updates ending at the last step.
+
+
+def shift_right(targets: jax.Array, segment_ids: jax.Array | None = None) -> jax.Array:
+  """Decoder inputs: [BOS, y_1, ..., y_{t-1}] from targets [y_1, ..., y_t]. [b, t] -> [b, t].
+
+  With `segment_ids` (packed rows: example 1..k of the row, 0 = padding) each example is
+  shifted on its own: its first position gets BOS, not the previous example's EOS, and
+  padding positions get PAD.
+  """
+  bos = jnp.full_like(targets[:, :1], BOS_ID)
+  shifted = jnp.concatenate([bos, targets[:, :-1]], axis=1)
+  if segment_ids is None:
+    return shifted
+  previous = jnp.pad(segment_ids[:, :-1], [(0, 0), (1, 0)], constant_values=-1)
+  shifted = jnp.where(segment_ids != previous, BOS_ID, shifted)
+  return jnp.where(segment_ids == 0, PAD_ID, shifted).astype(targets.dtype)
+
+
+def compute_metrics(logits, targets, weights, label_smoothing):
+  loss_sum, weight_sum = label_smoothed_cross_entropy(logits, targets, weights, label_smoothing)
+  correct = jnp.sum((jnp.argmax(logits, axis=-1) == targets) * weights)
+  return {'loss_sum': loss_sum, 'token_count': weight_sum, 'correct_tokens': correct}
+
+
+def train_step(
+  state: TrainState,
+  batch: dict,
+  *,
+  model: Transformer,
+  learning_rate_fn,
+  label_smoothing: float,
+  grad_accum_steps: int = 1,
+) -> tuple[TrainState, dict]:
+  """One optimiser step on a batch {'inputs': [b, s], 'targets': [b, t]} (int32, 0 = pad).
+
+  A packed batch also has 'inputs_segment_ids', 'targets_segment_ids', 'inputs_positions' and
+  'targets_positions' (see batching.make_packed_iterator); the model then keeps its examples
+  apart and the decoder inputs are shifted per example.
+
+  With grad_accum_steps = k > 1 the batch is cut into k micro-batches of b/k rows, run one
+  after another (a `lax.scan`, so activations of only one are alive at a time); their summed
+  gradient, divided by the whole batch's token count, is exactly the gradient of the batch.
+  """
+  dropout_rng = jax.random.fold_in(state.dropout_rng, state.step)
+
+  def loss_sum_and_metrics(params, micro_batch, rng):
+    targets = micro_batch['targets']
+    packing = batching.packing_model_args(micro_batch)
+    logits = model.apply(
+      {'params': params},
+      micro_batch['inputs'],
+      shift_right(targets, packing.get('tgt_segment_ids')),
+      deterministic=False,
+      rngs={'dropout': rng},
+      **packing,
+    )
+    metrics = compute_metrics(
+      logits, targets, (targets != PAD_ID).astype(jnp.float32), label_smoothing
+    )
+    return metrics['loss_sum'], metrics
+
+  if grad_accum_steps == 1:
+    # The gradient of the mean loss itself (not the sum's gradient divided afterwards): the
+    # same value up to rounding, but rounding is what a run's trajectory is sensitive to, and
+    # this keeps single-step runs bitwise what they were before accumulation existed.
+    def mean_loss(params):
+      loss_sum, metrics = loss_sum_and_metrics(params, batch, dropout_rng)
+      return loss_sum / jnp.maximum(metrics['token_count'], 1.0), metrics
+
+    grads, metrics = jax.grad(mean_loss, has_aux=True)(state.params)
+  else:
+    grad_fn = jax.grad(loss_sum_and_metrics, has_aux=True)
+    # [b, ...] -> [k, b/k, ...], micro-batch j = rows j, j+k, j+2k, ...: each device's
+    # contiguous block of rows holds its share of every micro-batch, so no data moves.
+    micro_batches = jax.tree_util.tree_map(
+      lambda x: jnp.moveaxis(
+        x.reshape(x.shape[0] // grad_accum_steps, grad_accum_steps, *x.shape[1:]), 1, 0
+      ),
+      batch,
+    )
+
+    def accumulate(totals, micro):
+      micro_batch, index = micro
+      grads_and_metrics = grad_fn(state.params, micro_batch, jax.random.fold_in(dropout_rng, index))
+      return jax.tree_util.tree_map(jnp.add, totals, grads_and_metrics), None
+
+    # Accumulators: gradients like the parameters (and so sharded like them under FSDP).
+    metric_shapes = jax.eval_shape(
+      grad_fn, state.params, jax.tree_util.tree_map(lambda x: x[0], micro_batches), dropout_rng
+    )[1]
+    zeros = (
+      jax.tree_util.tree_map(jnp.zeros_like, state.params),
+      jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), metric_shapes),
+    )
+    (grads, metrics), _ = jax.lax.scan(
+      accumulate, zeros, (micro_batches, jnp.arange(grad_accum_steps))
+    )
+    # The gradient of the mean loss over the real tokens of the whole (global) batch.
+    grads = jax.tree_util.tree_map(lambda g: g / jnp.maximum(metrics['token_count'], 1.0), grads)
+  grad_norm = optax.tree.norm(grads)
+  finite = jnp.isfinite(metrics['loss_sum']) & jnp.isfinite(grad_norm)
+  updated = state.apply_gradients(grads=grads)
+
+  # A NaN/Inf loss or gradient skips the update: parameters and optimiser moments stay as they
+  # were (so they are never non-finite), while the step (and so the data and dropout) advances.
+  def keep_old(new, old):
+    return jnp.where(finite, new, old)
+
+  new_state = updated.replace(
+    params=jax.tree_util.tree_map(keep_old, updated.params, state.params),
+    opt_state=jax.tree_util.tree_map(keep_old, updated.opt_state, state.opt_state),
+    skipped_steps=state.skipped_steps + (~finite).astype(jnp.int32),
+    nonfinite_streak=jnp.where(finite, 0, state.nonfinite_streak + 1).astype(jnp.int32),
+  )
+  metrics['learning_rate'] = learning_rate_fn(state.step)
+  metrics['grad_norm'] = grad_norm
+  metrics['nonfinite_streak'] = new_state.nonfinite_streak
+  return new_state, metrics
+
+
+def eval_step(params, batch: dict, *, model: Transformer, label_smoothing: float) -> dict:
+  targets = batch['targets']
+  weights = (targets != PAD_ID).astype(jnp.float32)
+  packing = batching.packing_model_args(batch)
+  logits = model.apply(
+    {'params': params},
+    batch['inputs'],
+    shift_right(targets, packing.get('tgt_segment_ids')),
+    **packing,
+  )
+  return compute_metrics(logits, targets, weights, label_smoothing)
