@@ -13,6 +13,7 @@ violation.
 """
 
 import ast
+import functools
 import os
 import pathlib
 import re
@@ -71,7 +72,8 @@ def _modules() -> dict[str, pathlib.Path]:
 MODULES = _modules()
 
 
-def _imports(path: pathlib.Path) -> set[str]:
+@functools.cache  # Each file is parsed once for the many parametrized tests.
+def _imports(path: pathlib.Path) -> frozenset[str]:
   """Every module `path` imports, at any depth of the file (lazy imports count)."""
   names = set()
   for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -85,7 +87,7 @@ def _imports(path: pathlib.Path) -> set[str]:
         for alias in node.names
         if f'{node.module}.{alias.name}' in MODULES
       )
-  return names
+  return frozenset(names)
 
 
 def _is_command(path: pathlib.Path) -> bool:
@@ -163,7 +165,8 @@ WORKDIR_NAMES = (
 )
 
 
-def _string_literals(path: pathlib.Path) -> set[str]:
+@functools.cache
+def _string_literals(path: pathlib.Path) -> frozenset[str]:
   tree = ast.parse(path.read_text(), str(path))
   docstrings = {
     id(node.body[0].value)
@@ -172,11 +175,11 @@ def _string_literals(path: pathlib.Path) -> set[str]:
     and node.body
     and isinstance(node.body[0], ast.Expr)
   }
-  return {
+  return frozenset(
     node.value
     for node in ast.walk(tree)
     if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
-  }
+  )
 
 
 # `--checkpoint=averaged` names a choice of parameters, not a path: parsed in cli, resolved to
