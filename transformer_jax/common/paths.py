@@ -121,7 +121,8 @@ def staged_folder(directory: str) -> Iterator[str]:
     os.umask(umask)
     os.chmod(staging, 0o777 & ~umask)
     if os.path.exists(directory):
-      retired = os.path.join(parent, f'.{name}.old-{os.path.basename(staging)[len(name) + 6 :]}')
+      token = os.path.basename(staging).removeprefix(f'.{name}.tmp-')
+      retired = os.path.join(parent, f'.{name}.old-{token}')
       os.rename(directory, retired)
       os.rename(staging, directory)
       shutil.rmtree(retired, ignore_errors=True)
