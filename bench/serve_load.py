@@ -146,7 +146,9 @@ def run_round(server: Server, sentences: list[str], clients: int) -> dict:
       body = {'text': [sentence], 'beam_size': FLAGS.beam_size, 'alpha': FLAGS.alpha}
       began = time.perf_counter()
       try:
-        connection.request('POST', '/v1/translate', json.dumps(body))
+        connection.request(
+          'POST', '/v1/translate', json.dumps(body), {'Content-Type': 'application/json'}
+        )
         response = connection.getresponse()
         answer = json.loads(response.read())
         status = response.status

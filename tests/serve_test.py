@@ -137,6 +137,8 @@ class Server:
     if body is not None and not isinstance(body, bytes):
       body = json.dumps(body).encode()
     connection = http.client.HTTPConnection('127.0.0.1', self.port, timeout=120)
+    if method == 'POST':  # As a client must (serving/guards.py).
+      headers = {'Content-Type': 'application/json', **(headers or {})}
     try:
       connection.request(method, path, body=body, headers=headers or {})
       response = connection.getresponse()

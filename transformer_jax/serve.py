@@ -1,20 +1,23 @@
 """Serves translations over HTTP, with dynamic batching:
 
     python -m transformer_jax.serve --workdir=DIR [--port=8000] [--engine=jax|ctranslate2]
-    curl -s localhost:8000/v1/translate -d '{"text": ["one hundred"], "beam_size": 4}'
+    curl -s localhost:8000/v1/translate --json '{"text": ["one hundred"], "beam_size": 4}'
 
 POST /v1/translate, POST /v1/attention, GET /healthz, GET /metrics (JSON) and a page at / that
 shows a translation and its cross-attention. Binds to 127.0.0.1 unless --host says otherwise;
 every batch and sentence length is compiled at start-up. --engine=ctranslate2 exports the model
 (int8 unless --quantization says otherwise) into the workdir, or reuses that export when it was
 made from the same checkpoint, and has no attention maps. SIGTERM drains and exits 0.
+Requests must name the server in Host (--allowed_hosts adds names), come from no web page but
+its own (--allowed_origins adds origins) and send JSON; --auth_token_file requires a bearer token
+(the page: open it as /#token=...). Clients that stall are dropped (serving/guards.py).
 """
 
 from absl import flags
 
 from transformer_jax import cli
 from transformer_jax.exporters import ctranslate2_spec
-from transformer_jax.serving import app, ctranslate2_engine
+from transformer_jax.serving import app, ctranslate2_engine, guards
 
 FLAGS = flags.FLAGS
 
@@ -58,6 +61,32 @@ def _define_flags():
   flags.DEFINE_integer('max_sentences', defaults.max_sentences, 'Sentences per request.')
   flags.DEFINE_integer('max_chars', defaults.max_chars, 'Characters per sentence.')
   flags.DEFINE_float('timeout_s', defaults.timeout_s, 'Seconds a request may take before a 504.')
+  flags.DEFINE_float(
+    'header_timeout_s',
+    defaults.header_timeout_s,
+    'Seconds a connection has to send a request line and headers before it is closed.',
+  )
+  flags.DEFINE_float(
+    'body_timeout_s', defaults.body_timeout_s, 'Seconds a request has to send its body (408).'
+  )
+  flags.DEFINE_string(
+    'allowed_hosts',
+    defaults.allowed_hosts,
+    'Comma list of Host names served besides 127.0.0.1, localhost, [::1] and --host (e.g. the '
+    "machine's LAN name); * allows any, which lets DNS rebinding through: unsafe.",
+  )
+  flags.DEFINE_string(
+    'allowed_origins',
+    defaults.allowed_origins,
+    'Comma list of web origins (http://host:port) whose pages may call the server, besides '
+    'its own page.',
+  )
+  flags.DEFINE_string(
+    'auth_token_file',
+    None,
+    'A file holding a bearer token that every request but / and /healthz must send '
+    f'(Authorization: Bearer ...); default: ${guards.TOKEN_VARIABLE}, else none.',
+  )
   flags.DEFINE_string(
     'decoding',
     defaults.decoding,
@@ -79,6 +108,11 @@ def main(argv):
     max_chars=FLAGS.max_chars,
     timeout_s=FLAGS.timeout_s,
     decoding=FLAGS.decoding,
+    header_timeout_s=FLAGS.header_timeout_s,
+    body_timeout_s=FLAGS.body_timeout_s,
+    allowed_hosts=FLAGS.allowed_hosts,
+    allowed_origins=FLAGS.allowed_origins,
+    auth_token_file=FLAGS.auth_token_file,
     quantization=FLAGS.quantization,
     ctranslate2_dir=FLAGS.ctranslate2_dir,
     intra_threads=FLAGS.intra_threads,

@@ -4,9 +4,12 @@
     POST /v1/attention  {"text": "...", ...} -> the translation and its cross-attention maps
     GET  /healthz, GET /metrics (JSON), GET / (a page: translation and attention heatmap)
 
-Concurrent requests are batched (`batcher.py`) and decoded by one worker thread, never
-on the event loop. The JAX engine (`jax_engine.py`) compiles every shape a request can need at
-start-up, and /metrics counts XLA compilations to show that none happen afterwards.
+Every request first passes `guards.py`: its Host must name the server and its Origin (if any)
+be the server's own, a POST body must be JSON, a token is needed if the server has one, and
+clients that stall are dropped. Concurrent requests are batched (`batcher.py`) and decoded by
+one worker thread, never on the event loop. The JAX engine (`jax_engine.py`) compiles every
+shape a request can need at start-up, and /metrics counts XLA compilations to show that none
+happen afterwards.
 --engine=ctranslate2 exports the model at start-up (or reuses the export) and decodes through
 CTranslate2 in the same batcher (`ctranslate2_engine.py`); it has no attention maps. Errors are
 JSON, {"error": "..."}; SIGTERM (or Ctrl-C) stops accepting connections, answers
@@ -34,7 +37,7 @@ try:  # The optional [serve] extra; `serve` says what is missing.
   import uvicorn
   from starlette.applications import Starlette
   from starlette.exceptions import HTTPException
-  from starlette.requests import Request
+  from starlette.requests import ClientDisconnect, Request
   from starlette.responses import HTMLResponse, JSONResponse
   from starlette.routing import Route
 except ModuleNotFoundError as missing:
@@ -50,7 +53,7 @@ from transformer_jax.common.errors import (
   is_integer,
   is_number,
 )
-from transformer_jax.serving import ctranslate2_engine
+from transformer_jax.serving import ctranslate2_engine, guards
 from transformer_jax.serving.batcher import (
   Batcher,
   Closed,
@@ -83,6 +86,13 @@ class ServerOptions:
   max_chars: int = 1000
   timeout_s: float = 30.0
   decoding: str = '4:0.6,1:0'
+  # Seconds a client has to send a request's headers, then its body (see guards.py).
+  header_timeout_s: float = 10.0
+  body_timeout_s: float = 30.0
+  # Comma lists added to the Host names and origins allowed (guards.py), and the token's file.
+  allowed_hosts: str = ''
+  allowed_origins: str = ''
+  auth_token_file: str | None = None
   # --engine=ctranslate2 only (ctranslate2_engine.py): weight type (None: int8), export folder
   # (None: inside the workdir), OpenMP threads (None: 1).
   quantization: str | None = None
@@ -97,6 +107,10 @@ class ServerOptions:
     check_positive_integer('--max_sentences', self.max_sentences)
     check_positive_integer('--max_chars', self.max_chars)
     check_number_at_least('--timeout_s', self.timeout_s, 0, strict=True)
+    check_number_at_least('--header_timeout_s', self.header_timeout_s, 0, strict=True)
+    check_number_at_least('--body_timeout_s', self.body_timeout_s, 0, strict=True)
+    guards.allowed_hosts(self.host, self.allowed_hosts)
+    guards.allowed_origins(self.allowed_origins)
     check_integer_at_least('--port', self.port, 0)
     if self.intra_threads is not None:
       check_positive_integer('--intra_threads', self.intra_threads)
@@ -269,6 +283,17 @@ class Service:
     declared = request.headers.get('content-length', '')
     if declared.isdigit() and int(declared) > self.max_body_bytes:
       raise RequestError(413, f'the body has {declared} bytes; at most {self.max_body_bytes}')
+    seconds = self.options.body_timeout_s
+    try:
+      return await asyncio.wait_for(self._read_body(request), seconds)
+    except asyncio.TimeoutError:
+      # The rest of the body may still come: the connection cannot serve another request.
+      headers = {'Connection': 'close'}
+      raise RequestError(408, f'the body was not received within {seconds:g} s', headers) from None
+    except ClientDisconnect:
+      raise RequestError(400, 'the client disconnected before sending its whole body') from None
+
+  async def _read_body(self, request: Request) -> bytes:
     chunks, size = [], 0
     async for chunk in request.stream():
       size += len(chunk)
@@ -328,8 +353,28 @@ def _kind(value: Any) -> str:
     return 'null'
   names = {bool: 'boolean', int: 'number', float: 'number', str: 'string', list: 'array'}
   name = names.get(type(value), 'object')
-  preview = json.dumps(value, ensure_ascii=False)
+  try:
+    preview = json.dumps(value, ensure_ascii=False)
+  except RecursionError:  # Nested nearly as deep as json.loads allows: no preview.
+    return name
   return f'{name} {preview[:40]}{"..." if len(preview) > 40 else ""}'
+
+
+class _OutOfRange(ValueError):
+  """A JSON number no field can hold: 1e400 (a float: inf), an integer of 19 digits or more."""
+
+
+def _finite_float(text: str) -> float:
+  value = float(text)
+  if not math.isfinite(value):
+    raise _OutOfRange(text)
+  return value
+
+
+def _bounded_int(text: str) -> int:
+  if len(text.lstrip('-')) > 18:  # Beyond 64 bits (and before Python's 4300-digit limit).
+    raise _OutOfRange(text)
+  return int(text)
 
 
 def _json_object(body: bytes) -> dict[str, Any]:
@@ -338,7 +383,15 @@ def _json_object(body: bytes) -> dict[str, Any]:
   except UnicodeDecodeError as error:
     raise RequestError(400, f'the body is not valid UTF-8 (byte {error.start})') from None
   try:
-    payload = json.loads(text, parse_constant=_reject_constant)
+    payload = json.loads(
+      text, parse_constant=_reject_constant, parse_float=_finite_float, parse_int=_bounded_int
+    )
+  except _OutOfRange as error:
+    number = str(error)
+    preview = number[:40] + ('...' if len(number) > 40 else '')
+    raise RequestError(400, f'the body has a number out of range: {preview}') from None
+  except RecursionError:
+    raise RequestError(400, 'the body is nested too deeply') from None
   except ValueError as error:
     raise RequestError(400, f'the body is not JSON: {error}') from None
   if not isinstance(payload, dict):
@@ -420,7 +473,12 @@ def serve(
     raise UserInputError(
       '--quantization, --ctranslate2_dir and --intra_threads are for --engine=ctranslate2'
     )
+  token = guards.load_token(options.auth_token_file)
   sock = bind(options.host, options.port)
+  host, port = sock.getsockname()[:2]
+  warning = guards.exposure_warning(host, token)
+  if warning:  # Now rather than after warm-up: there is time to stop it before it serves.
+    print(f'warning: {warning}', file=sys.stderr, flush=True)
   began = time.perf_counter()
   if engine == 'jax':
     counter = CompileCounter()
@@ -439,8 +497,16 @@ def serve(
   warmup_s = time.perf_counter() - began
   service = Service(loaded, options, compile_counter=counter, warmup_s=warmup_s)
   service.batcher.start()
+  policy = guards.Policy(
+    hosts=guards.allowed_hosts(options.host, options.allowed_hosts),
+    origins=guards.allowed_origins(options.allowed_origins),
+    token=token,
+  )
   config = uvicorn.Config(
-    service.app,
+    guards.Guard(service.app, policy, on_refusal=service.metrics.response),
+    # h11 with a header deadline, whatever else is installed (uvicorn would pick httptools).
+    http=guards.header_deadline_protocol(options.header_timeout_s),
+    ws='none',
     log_config=None,
     log_level='warning',
     access_log=False,
@@ -448,7 +514,6 @@ def serve(
     timeout_graceful_shutdown=math.ceil(options.timeout_s) + 5,
   )
   sock.listen(config.backlog)  # Clients that come before uvicorn runs wait in the backlog.
-  host, port = sock.getsockname()[:2]
   how = f'{counter.count} programs compiled' if counter else how
   print(
     f'serving on http://{host}:{port} ({how} in {warmup_s:.1f} s; '
