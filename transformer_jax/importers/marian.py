@@ -25,18 +25,21 @@ src/common/config_parser.cpp.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import os
-import pathlib
 import re
 import zipfile
+import zlib
 from typing import Any
 
 import numpy as np
 
-from transformer_jax.common.errors import UserInputError, one_line
+from transformer_jax.common.errors import UserInputError, is_integer, one_line
 from transformer_jax.common.paths import file_sha256
 from transformer_jax.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+from transformer_jax.importers import bounded_yaml
 from transformer_jax.importers.marian_vocabulary import read_vocabulary, sentencepiece_vocabulary
 from transformer_jax.model.config import TransformerConfig
 
@@ -117,48 +120,122 @@ _EXACT_GELU_SINCE = (1, 12, 3)
 
 # --- The .npz ----------------------------------------------------------------------------------
 
+# Marian (cnpy::npz_save) and np.savez store tensors uncompressed and float weights barely
+# deflate (np.savez_compressed saves ~7%), so members that declare more than MAX_EXPANSION times
+# the file's bytes (beyond the allowance) are a zip bomb, refused before anything is inflated.
+MAX_EXPANSION = 16
+EXPANSION_ALLOWANCE = 64 << 20
+# What a damaged member raises: bad CRC, headers, flags or deflate data (zlib.error, EOFError).
+_DAMAGED = (zipfile.BadZipFile, zlib.error, EOFError, OSError, ValueError, NotImplementedError)
 
-def read_npz(path: str) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-  """(options of special:model.yml, float32 tensors) of a Marian .npz; pickles are refused."""
+
+def _open_npz(path: str) -> zipfile.ZipFile:
+  if not os.path.exists(path):
+    raise FileNotFoundError(f'Marian model not found: {path}')
+  if not os.path.isfile(path):
+    raise UserInputError(f'{path}: not a regular file (a Marian .npz model is expected)')
   try:
-    npz = np.load(path, allow_pickle=False)
-  except (ValueError, OSError, EOFError, zipfile.BadZipFile) as error:
-    if not os.path.exists(path):
-      raise FileNotFoundError(f'Marian model not found: {path}') from None
+    return zipfile.ZipFile(path)
+  except _DAMAGED as error:
+    with open(path, 'rb') as f:
+      if f.read(6) == b'\x93NUMPY':
+        raise UserInputError(f'{path}: a single .npy array, not a Marian .npz model') from None
     raise UserInputError(f'{path}: not a Marian .npz model ({one_line(error)})') from None
-  if not isinstance(npz, np.lib.npyio.NpzFile):
-    raise UserInputError(f'{path}: a single .npy array, not a Marian .npz model')
-  arrays = {}
-  with npz:
-    if META_KEY not in npz.files:
+
+
+@contextlib.contextmanager
+def _member(archive: zipfile.ZipFile, info: zipfile.ZipInfo):
+  """The open member; what a damaged one raises is one line naming the file and the member."""
+  try:
+    with archive.open(info) as f:
+      yield f
+  except _DAMAGED as error:
+    if isinstance(error, UserInputError):
+      raise
+    why = f'member {info.filename} is damaged ({one_line(error)})'
+    raise UserInputError(f'{archive.filename}: {why}') from None
+
+
+def _npz_headers(archive: zipfile.ZipFile) -> dict[str, tuple[zipfile.ZipInfo, tuple, Any]]:
+  """Name -> (ZipInfo, shape, dtype) of each member, from the zip directory and the .npy
+  headers alone, each member a .npy of exactly the bytes its header declares (zipfile inflates
+  no more than a member's declared size), no pickles, no zip bomb."""
+  infos, path, seen = archive.infolist(), archive.filename, set()
+  for info in infos:
+    why = None if info.filename.endswith('.npy') else 'is not a .npy array'
+    why = 'appears twice' if info.filename in seen else why
+    why = 'is encrypted' if info.flag_bits & 0x1 else why
+    seen.add(info.filename)
+    if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
+      why = f'is compressed with zip method {info.compress_type} (only stored or deflated)'
+    if why:
+      raise UserInputError(f'{path}: member {info.filename} {why}')
+  declared, size = sum(info.file_size for info in infos), os.path.getsize(path)
+  if declared > max(MAX_EXPANSION * size, EXPANSION_ALLOWANCE):
+    raise UserInputError(
+      f'{path}: its members inflate to {declared} bytes, more than {MAX_EXPANSION} times the '
+      f"file's {size} (a zip bomb, not a model)"
+    )
+  headers = {}
+  for info in infos:
+    with _member(archive, info) as f:
+      version = np.lib.format.read_magic(f)
+      if version not in ((1, 0), (2, 0)):
+        raise ValueError(f'.npy version {version}, not 1.0 or 2.0')
+      shape, _, dtype = getattr(np.lib.format, f'read_array_header_{version[0]}_0')(f)
+      data_bytes, declared = info.file_size - f.tell(), math.prod(shape) * dtype.itemsize
+    if dtype.hasobject:  # np.load(allow_pickle=False)'s words.
+      why = 'Object arrays cannot be loaded when allow_pickle=False'
+      raise UserInputError(f'{path}: tensor {info.filename[:-4]}: {why}')
+    if min(shape, default=0) < 0 or declared != data_bytes:
+      why = f'declares {dtype}{list(shape)} ({declared} bytes) but holds {data_bytes} bytes'
+      raise UserInputError(f'{path}: member {info.filename} {why}')
+    headers[info.filename[:-4]] = info, shape, dtype
+  return headers
+
+
+def _read_member(archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> np.ndarray:
+  with _member(archive, info) as f:
+    array = np.lib.format.read_array(f, allow_pickle=False)
+    f.read(1)  # Reaches the member's end, where zipfile checks its CRC.
+  return array
+
+
+def read_npz(path: str) -> tuple[dict[str, Any], dict[str, Any], dict[str, np.ndarray], int]:
+  """(options of special:model.yml, what they decide (`check_options`), float32 tensors,
+  Marian's vocabulary size) of a Marian .npz. Every member is checked (`_npz_headers`), and
+  every tensor's shape against the options (`check_tensors`), before any tensor is read."""
+  with _open_npz(path) as archive:
+    headers = _npz_headers(archive)
+    if META_KEY not in headers:
       raise UserInputError(f'{path}: no {META_KEY} (not a Marian model, or saved without options)')
-    for name in npz.files:
-      try:
-        array = npz[name]
-      except ValueError as error:  # An object array: its pickle is refused.
-        raise UserInputError(f'{path}: tensor {name}: {one_line(error)}') from None
-      if name == META_KEY:
-        options = _parse_meta(array, path)
-      elif array.dtype not in (np.float32, np.float16):
-        raise UserInputError(f'{path}: tensor {name} is {array.dtype}, expected float32')
-      else:
-        arrays[name] = array.astype(np.float32)
-  return options, arrays
+    info, shape, dtype = headers.pop(META_KEY)
+    limit = bounded_yaml.MAX_OPTIONS_BYTES
+    if len(shape) != 1 or dtype.itemsize != 1 or dtype.kind not in 'iu' or shape[0] > limit:
+      expected = f'expected int8[n], n <= {limit}'
+      raise UserInputError(f'{path}: {META_KEY} is {dtype}{list(shape)}, {expected}')
+    options = _parse_meta(_read_member(archive, info), path)
+    layout = check_options(options, path)
+    for name, (_, _, dtype) in headers.items():
+      if dtype not in (np.float32, np.float16):
+        raise UserInputError(f'{path}: tensor {name} is {dtype}, expected float32')
+    vocab_size = check_tensors({name: h[1] for name, h in headers.items()}, layout, path)
+    arrays = {
+      name: _read_member(archive, info).astype(np.float32, copy=False)
+      for name, (info, _, _) in headers.items()
+    }
+  return options, layout, arrays, vocab_size
 
 
 def _parse_meta(meta: np.ndarray, path: str) -> dict[str, Any]:
   """The YAML text before the first NUL (Marian >= 2025-05 pads it with NULs to 256 bytes)."""
-  import yaml
-
-  if meta.ndim != 1 or meta.dtype.itemsize != 1 or meta.dtype.kind not in 'iu':
-    raise UserInputError(f'{path}: {META_KEY} is {meta.dtype}{list(meta.shape)}, expected int8[n]')
   text = meta.tobytes().split(b'\0', 1)[0].decode('utf-8', errors='replace')
-  try:
-    options = yaml.safe_load(text)
-  except yaml.YAMLError as error:
-    options = one_line(error)
+  options = bounded_yaml.load(text, f'{path}: {META_KEY}')
   if not isinstance(options, dict):
     raise UserInputError(f'{path}: {META_KEY} is not a YAML map of options ({options!r:.200})')
+  for key in options:
+    if not isinstance(key, str):
+      raise UserInputError(f'{path}: {META_KEY}: option name {key!r:.100} is not text')
   return options
 
 
@@ -179,12 +256,13 @@ def check_options(options: dict, path: str) -> dict[str, Any]:
   """
 
   def refuse(key: str, why: str):
-    raise UserInputError(f'{path}: option {key}={options.get(key)!r} is not supported: {why}')
+    raise UserInputError(f'{path}: option {key}={options.get(key)!r:.100} is not supported: {why}')
 
   unknown = sorted(set(options) - set(_SUPPORTED) - set(_FREE) - _IGNORED_OPTIONS)
   if unknown:
     what = 'a newer Marian, or not a transformer'
-    raise UserInputError(f'{path}: unknown option(s) {", ".join(unknown)} in {META_KEY} ({what})')
+    names = ', '.join(unknown)
+    raise UserInputError(f'{path}: unknown option(s) {names:.300} in {META_KEY} ({what})')
   for key, (_, allowed, why) in _SUPPORTED.items():
     if _option(options, key) not in allowed:
       refuse(key, why)
@@ -201,10 +279,13 @@ def check_options(options: dict, path: str) -> dict[str, Any]:
       "supported: only post-norm ''/dan/'' and pre-norm n/da/n"
     )
   d_model, heads = _option(options, 'dim-emb'), _option(options, 'transformer-heads')
-  if not (isinstance(d_model, int) and isinstance(heads, int) and heads > 0 < d_model):
+  if not (is_integer(d_model) and is_integer(heads) and heads > 0 < d_model):
     refuse('transformer-heads', f'sizes must be positive integers (dim-emb={d_model!r})')
   if d_model % heads or d_model % 2:
     refuse('dim-emb', f'must be even and divisible by transformer-heads={heads}')
+  for key in ('enc-depth', 'dec-depth', 'transformer-dim-ffn'):
+    if not is_integer(_option(options, key)) or _option(options, key) <= 0:
+      refuse(key, 'must be a positive integer')
   d_ff = _option(options, 'transformer-dim-ffn')
   if _option(options, 'transformer-decoder-dim-ffn') not in (0, d_ff):
     refuse('transformer-decoder-dim-ffn', f'one FFN size only (transformer-dim-ffn={d_ff})')
@@ -299,29 +380,33 @@ def expected_shapes(layout: dict, vocab_size: int, legacy_output: bool) -> dict[
   return shapes
 
 
-def check_tensors(arrays: dict[str, np.ndarray], layout: dict, path: str) -> int:
-  """Refuses missing, unknown and misshapen tensors; returns Marian's vocabulary size."""
+def check_tensors(shapes: dict[str, tuple], layout: dict, path: str) -> int:
+  """Refuses missing, unknown and misshapen tensors (name -> shape, as the .npz declares them);
+  returns Marian's vocabulary size."""
   table = 'Wemb' if layout['embeddings'] in ('all', 'src') else 'encoder_Wemb'
-  if table not in arrays or arrays[table].ndim != 2:
+  if len(shapes.get(table, ())) != 2:
     raise UserInputError(f'{path}: tensor {table} [vocab, dim-emb] is missing or not 2-D')
-  vocab_size = arrays[table].shape[0]
-  target = arrays.get('decoder_Wemb')
-  if table == 'encoder_Wemb' and target is not None and target.shape[0] != vocab_size:
+  vocab_size = shapes[table][0]
+  target = shapes.get('decoder_Wemb')
+  if table == 'encoder_Wemb' and len(target or ()) == 2 and target[0] != vocab_size:
     raise UserInputError(
-      f'{path}: separate source ({vocab_size}) and target ({target.shape[0]}) vocabularies are '
+      f'{path}: separate source ({vocab_size}) and target ({target[0]}) vocabularies are '
       'not supported: transformer_jax models share one vocabulary'
     )
-  legacy = 'decoder_ff_logit_out_W' in arrays and 'decoder_ff_logit_out_Wt' not in arrays
+  if layout['num_encoder_layers'] + layout['num_decoder_layers'] > len(shapes):  # 16 a layer
+    why = f'more layers than the file has tensors ({len(shapes)})'
+    raise UserInputError(f'{path}: options enc-depth, dec-depth: {why}')
+  legacy = 'decoder_ff_logit_out_W' in shapes and 'decoder_ff_logit_out_Wt' not in shapes
   expected = expected_shapes(layout, vocab_size, legacy)
-  for name in sorted(expected.keys() - arrays.keys())[:1]:
+  for name in sorted(expected.keys() - shapes.keys())[:1]:
     raise UserInputError(f'{path}: tensor {name} {list(expected[name])} is missing')
-  for name in sorted(arrays.keys() - expected.keys())[:1]:
+  for name in sorted(shapes.keys() - expected.keys())[:1]:
     hint = ' (learned positions)' if name == 'Wpos' else ''
-    raise UserInputError(f'{path}: unknown tensor {name}{list(arrays[name].shape)}{hint}')
+    raise UserInputError(f'{path}: unknown tensor {name}{list(shapes[name])}{hint}')
   for name, shape in expected.items():
-    if arrays[name].shape != shape:
+    if tuple(shapes[name]) != shape:
       raise UserInputError(
-        f'{path}: tensor {name} has shape {list(arrays[name].shape)}, expected {list(shape)}'
+        f'{path}: tensor {name} has shape {list(shapes[name])}, expected {list(shape)}'
       )
   return vocab_size
 
@@ -396,26 +481,27 @@ def find_model_files(directory: str) -> tuple[str, str, str | None, str | None]:
   """(npz, vocab, spm, target spm) of an OPUS-MT-style directory: its decoder.yml's model and
   vocabularies if present, else its one `*.npz` and `*vocab.yml`; `source.spm` (or the one
   `*.spm`); `target.spm` if present and not a copy of source.spm, else None."""
-  import yaml
 
   def inside(name: str) -> str:
     return name if os.path.isabs(name) else os.path.join(directory, name)
+
+  def contents(name: str) -> bytes:
+    limit = bounded_yaml.MAX_VOCABULARY_BYTES
+    return bounded_yaml.read_bounded(inside(name), limit, 'vocabulary')
 
   names = sorted(os.listdir(directory))
   npzs = [n for n in names if n.endswith('.npz')]
   vocabs = [n for n in names if n.endswith('vocab.yml')]
   decoder = os.path.join(directory, 'decoder.yml')
   if os.path.exists(decoder):
-    with open(decoder, encoding='utf-8') as f:
-      settings = yaml.safe_load(f) or {}
-    npzs, vocabs = settings.get('models') or npzs, settings.get('vocabs') or vocabs
+    npzs, vocabs = _decoder_yml(decoder, npzs, vocabs)
   if len(npzs) != 1:
     raise UserInputError(
       f'--model={directory}: expected one .npz model, found {len(npzs)} ({", ".join(npzs)}); '
       'give --model=FILE.npz'
     )
   vocabs = list(dict.fromkeys(vocabs))
-  if len({pathlib.Path(inside(v)).read_bytes() for v in vocabs}) > 1:
+  if len({contents(v) for v in vocabs}) > 1:
     raise UserInputError(
       f'--model={directory}: separate source and target vocabularies ({", ".join(vocabs)}) '
       'are not supported: transformer_jax models share one vocabulary'
@@ -425,7 +511,7 @@ def find_model_files(directory: str) -> tuple[str, str, str | None, str | None]:
   spms = [n for n in names if n.endswith('.spm')]
   spm = 'source.spm' if 'source.spm' in spms else (spms[0] if len(spms) == 1 else None)
   target = 'target.spm' if spm == 'source.spm' and 'target.spm' in spms else None
-  if target and file_sha256(inside(target)) == file_sha256(inside(spm)):
+  if target and contents(target) == contents(spm):
     target = None
   return (
     inside(npzs[0]),
@@ -433,6 +519,18 @@ def find_model_files(directory: str) -> tuple[str, str, str | None, str | None]:
     None if spm is None else inside(spm),
     None if target is None else inside(target),
   )
+
+
+def _decoder_yml(path: str, npzs: list[str], vocabs: list[str]) -> tuple[list[str], list[str]]:
+  """The models and vocabularies (lists of file names) a decoder.yml names, else npzs, vocabs."""
+  settings = bounded_yaml.load_file(path, bounded_yaml.MAX_OPTIONS_BYTES, 'decoder.yml') or {}
+  if not isinstance(settings, dict):
+    raise UserInputError(f'{path}: not a YAML map of settings ({settings!r:.100})')
+  for key in ('models', 'vocabs'):
+    names = settings.get(key) or []
+    if not isinstance(names, list) or not all(isinstance(name, str) for name in names):
+      raise UserInputError(f'{path}: {key} must be a list of file names, got {names!r:.100}')
+  return settings.get('models') or npzs, settings.get('vocabs') or vocabs
 
 
 # --- The whole import --------------------------------------------------------------------------
@@ -468,9 +566,7 @@ def read_model(
     raise UserInputError(
       f'--target_spm={target_spm} with --vocab={vocab}: a .spm vocabulary segments both sides'
     )
-  options, arrays = read_npz(npz_path)
-  layout = check_options(options, npz_path)
-  marian_vocab_size = check_tensors(arrays, layout, npz_path)
+  options, layout, arrays, marian_vocab_size = read_npz(npz_path)
   pieces, spm_path, yml_path = read_vocabulary(vocab, spm)
   if len(pieces) != marian_vocab_size:
     raise UserInputError(

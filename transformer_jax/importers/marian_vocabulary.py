@@ -7,37 +7,41 @@ Our ids: PAD 0, EOS 1, BOS 2, UNK 3, then Marian's pieces from its id 2 on (mari
 from __future__ import annotations
 
 import os
-import pathlib
 import re
 
 from transformer_jax.common.errors import UserInputError, one_line
 from transformer_jax.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+from transformer_jax.importers import bounded_yaml
 
 
 def read_vocab_yml(path: str) -> list[str]:
-  """Pieces by id of a Marian vocabulary `.yml` (`piece: id` lines, data/default_vocab.cpp).
-  Every scalar is text (YAML's base loader: a safe loader turns unquoted `yes`, `null`, `1.0` into
-  other types, merging keys); repeated or missing ids are refused, never silently dropped."""
+  """Pieces by id of a Marian vocabulary `.yml` or `.json` (`piece: id` lines,
+  data/default_vocab.cpp), at most MAX_VOCABULARY_BYTES. Every scalar is text (YAML's base
+  loader: a safe loader turns unquoted `yes`, `null`, `1.0` into other types, merging keys);
+  repeated or missing ids are refused, never silently dropped, and so are anchors and aliases
+  (bounded_yaml). Read as parse events, so that no node of a long file is held."""
   import yaml
 
-  loader = getattr(yaml, 'CBaseLoader', yaml.BaseLoader)
-  try:
-    with open(path, encoding='utf-8') as f:
-      node = yaml.compose(f, Loader=loader)
-  except (yaml.YAMLError, UnicodeDecodeError) as error:
-    raise UserInputError(f'{path}: not a Marian vocabulary ({one_line(error)})') from None
-  if not isinstance(node, yaml.MappingNode):
+  data = bounded_yaml.read_bounded(path, bounded_yaml.MAX_VOCABULARY_BYTES, 'vocabulary')
+  stream = bounded_yaml.events(bounded_yaml.decode(data, path), path)
+  start = [next(stream, None) for _ in range(3)][-1]  # After StreamStart, DocumentStart.
+  if not isinstance(start, yaml.MappingStartEvent):
     raise UserInputError(f'{path}: not a Marian vocabulary (a YAML map piece: id)')
   pieces: dict[int, str] = {}
-  for key, value in node.value:
-    if not isinstance(key, yaml.ScalarNode) or not isinstance(value, yaml.ScalarNode):
+  for key in stream:
+    if isinstance(key, yaml.MappingEndEvent):
+      break
+    value = next(stream, None)
+    if not isinstance(key, yaml.ScalarEvent) or not isinstance(value, yaml.ScalarEvent):
       raise UserInputError(f'{path}: line {key.start_mark.line + 1}: expected piece: id')
     index = int(value.value) if re.fullmatch(r'\d+', value.value) else -1
     if index in pieces or index < 0:
       raise UserInputError(
-        f'{path}: line {key.start_mark.line + 1}: bad or repeated id {value.value!r}'
+        f'{path}: line {key.start_mark.line + 1}: bad or repeated id {value.value!r:.100}'
       )
     pieces[index] = key.value
+  if any(isinstance(event, yaml.DocumentStartEvent) for event in stream):
+    raise UserInputError(f'{path}: not a Marian vocabulary (more than one YAML document)')
   if sorted(pieces) != list(range(len(pieces))):
     missing = min(set(range(len(pieces))) - set(pieces))
     raise UserInputError(f'{path}: ids are not 0..{len(pieces) - 1}: {missing} is missing')
@@ -45,17 +49,24 @@ def read_vocab_yml(path: str) -> list[str]:
 
 
 def _load_spm(path: str):
+  """The parsed SentencePiece model at `path` (at most MAX_VOCABULARY_BYTES)."""
   from sentencepiece import sentencepiece_model_pb2
 
-  proto = sentencepiece_model_pb2.ModelProto()
   try:
-    proto.ParseFromString(pathlib.Path(path).read_bytes())
+    limit = bounded_yaml.MAX_VOCABULARY_BYTES
+    data = bounded_yaml.read_bounded(path, limit, 'SentencePiece model')
   except FileNotFoundError:
     raise FileNotFoundError(f'SentencePiece model not found: {path}') from None
+  proto = sentencepiece_model_pb2.ModelProto()
+  try:
+    proto.ParseFromString(data)
   except Exception as error:  # protobuf's DecodeError
     raise UserInputError(f'{path}: not a SentencePiece model ({one_line(error)})') from None
   if not proto.pieces:
     raise UserInputError(f'{path}: not a SentencePiece model (no pieces)')
+  for index, piece in enumerate(proto.pieces):  # protobuf gives bytes for a string not UTF-8.
+    if not isinstance(piece.piece, str):
+      raise UserInputError(f'{path}: not a SentencePiece model (piece {index} is not UTF-8)')
   return proto
 
 
@@ -132,6 +143,7 @@ def read_vocabulary(vocab: str, spm: str | None = None) -> tuple[list[str], str,
     return [p.piece for p in _load_spm(vocab).pieces], vocab, None
   if spm is None:
     raise UserInputError(f'--vocab={vocab} needs --spm=source.spm (the model that segments text)')
-  if not os.path.exists(vocab):
-    raise FileNotFoundError(f'vocabulary not found: {vocab}')
-  return read_vocab_yml(vocab), spm, vocab
+  try:
+    return read_vocab_yml(vocab), spm, vocab
+  except FileNotFoundError:
+    raise FileNotFoundError(f'vocabulary not found: {vocab}') from None
