@@ -3,7 +3,8 @@
 Any config field can be overridden, e.g. `--config.num_train_steps=100`. Rerunning the same
 command resumes from the workdir's latest checkpoint. Exit status: 0 done (or stopped by
 SIGTERM/SIGINT with a checkpoint saved), 2 a mistake in the config, flags or data, 3 the loss
-stayed NaN/Inf, 130 (143 for SIGTERM) stopped during start-up, before the first step (see
+stayed NaN/Inf, 4 the storage failed a write (a full disk: the last good checkpoint kept), 130
+(143 for SIGTERM) stopped during start-up, before the first step (see
 transformer_jax/common/errors.py).
 """
 

@@ -341,7 +341,7 @@ CASES = [
     'evaluate: invalid utf-8 reference',
     lambda t, d: read_lines(_write(t / 'ref.de', b'gut\n\xc3\x28\n')),
     UserInputError,
-    r'ref\.de:2: not valid UTF-8',
+    r'ref\.de line 2: invalid UTF-8 \(byte 0xc3 at offset 4\)',
   ),
   (
     'evaluate: missing source',

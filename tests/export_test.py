@@ -216,11 +216,12 @@ def test_the_command_writes_a_directory_whose_readme_runs(int8_dir, workdir, our
   assert result.stdout.strip() == repr(expected)
 
 
-def test_force_replaces_an_existing_directory(workdir, tmp_path):
-  (tmp_path / 'model').mkdir()
+def test_force_replaces_an_earlier_export_only(workdir, tmp_path):
+  ctranslate2_spec.export(workdir, str(tmp_path / 'model'))
   (tmp_path / 'model' / 'stale.txt').write_text('from before')
   out = ctranslate2_spec.export(workdir, str(tmp_path / 'model'), force=True)
   assert sorted(os.listdir(out)) == [
+    '.transformer_jax-export',
     'README.md',
     'config.json',
     'model.bin',
@@ -483,6 +484,7 @@ def test_the_quantizations_are_ctranslate2s():
     ('int4', 'new', False, r'--quantization must be one of int8, .*, got .int4.'),
     ('int8', 'existing', False, r'already there \(pass --force to replace it\)'),
     ('int8', 'file', True, r'is a file'),
+    ('int8', 'someones', True, r'was not written by an export .* never replaced, even with'),
     ('int8', 'gs://bucket/model', False, 'CTranslate2 reads local directories only'),
   ],
 )
@@ -491,6 +493,8 @@ def test_bad_export_arguments_are_refused_before_any_work(
 ):
   (tmp_path / 'existing').mkdir()
   (tmp_path / 'file').write_text('')
+  (tmp_path / 'someones').mkdir()
+  (tmp_path / 'someones' / 'notes.txt').write_text('keep me')
   out = out if out.startswith('gs://') else str(tmp_path / out)
   with pytest.raises(UserInputError, match=message):
     # The workdir does not exist: refusing first means nothing was restored.

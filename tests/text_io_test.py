@@ -24,7 +24,7 @@ import threading
 
 import pytest
 
-from transformer_jax.common import text_io
+from transformer_jax.common import errors, text_io
 from transformer_jax.common.errors import UserInputError
 from transformer_jax.evaluation import test_set
 from transformer_jax.inference import attention_plots
@@ -141,8 +141,9 @@ def test_a_failed_write_leaves_no_temporary_file_and_the_old_file_whole(tmp_path
     raise OSError(28, 'No space left on device')
 
   monkeypatch.setattr(os, 'replace', fail)
-  with pytest.raises(UserInputError, match=r'^--output=.*out\.txt: cannot write it \(No space'):
+  with pytest.raises(errors.StorageError) as raised:  # Exit status 4, not a user error.
     text_io.write_lines(['new'], str(target))
+  assert (raised.value.errno, raised.value.filename) == (28, str(target))
   assert target.read_text() == 'old\n'
   assert _listing(tmp_path) == ['out.txt']
 
@@ -164,7 +165,7 @@ def test_a_write_the_file_system_refuses_midway_leaves_no_temporary_file(tmp_pat
     result.stderr.decode()
     .strip()
     .splitlines()[-1]
-    .endswith(f'UserInputError: --output={target}: cannot write it (File too large)')
+    .endswith(f"StorageError: [Errno 27] File too large: '{target}'")
   )
   assert target.read_text() == 'old\n'
   assert _listing(tmp_path) == ['out.txt']

@@ -89,14 +89,22 @@ def test_train_py_writes_everything_inference_needs(trained_workdir):
 def test_translate_keeps_one_line_per_input_line(trained_workdir):
   workdir, _ = trained_workdir
   lines = ['three hundred forty-two', '', 'seven', '   ', 'ünïcødé ✓ 数字', 'one ' * 40]
-  stdin = ('\n'.join(lines) + '\n').encode() + b'\xff\xfe invalid utf-8\n'
+  stdin = ('\n'.join(lines) + '\n').encode()
   result = _run(['-m', 'transformer_jax.translate', f'--workdir={workdir}'], stdin=stdin)
   assert result.returncode == 0, result.stderr.decode()[-3000:]
   outputs = result.stdout.decode().split('\n')
   assert outputs[-1] == ''  # Trailing newline.
   outputs = outputs[:-1]
-  assert len(outputs) == len(lines) + 1
+  assert len(outputs) == len(lines)
   assert outputs[1] == '' and outputs[3] == ''  # Empty in, empty out.
+  # Piped bytes that are not UTF-8 are refused naming the line (common/text_io.py's policy),
+  # before anything is translated: never a line silently changed.
+  result = _run(
+    ['-m', 'transformer_jax.translate', f'--workdir={workdir}'],
+    stdin=stdin + b'\xff\xfe invalid utf-8\n',
+  )
+  assert result.returncode == 2 and result.stdout == b''
+  assert result.stderr.decode().strip().startswith('error: stdin line 7: invalid UTF-8')
 
 
 def test_translate_without_checkpoint_is_a_one_line_error(tmp_path):

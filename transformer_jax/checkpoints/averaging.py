@@ -15,6 +15,10 @@ It may run while training goes on in the same workdir: the directory is listed a
 through the checkpoint library's cached listing), a checkpoint still being saved or being
 pruned is skipped, also when it goes while being read
 (`checkpointer.restore_complete_params_to_host`), and the log names every one skipped.
+
+A disk that fails the write (full, over quota, read-only: `errors.STORAGE_ERRNOS`) is a
+StorageError naming DIR/averaged (the command: one line, exit status 4); the previous averaged
+checkpoint, if any, stays as it was, and no staging folder is left (`save_params`).
 """
 
 from __future__ import annotations
@@ -49,7 +53,8 @@ def average_checkpoints(workdir: str, last: int) -> dict:
   {'averaged_steps': [ascending steps], 'latest_step': int, 'last_requested': int, 'path': str,
   'skipped_steps': [ascending steps]}.
   Raises UserInputError for `last` < 1, no checkpoints, a workdir it cannot write to, or
-  checkpoints whose parameter trees differ (e.g. a workdir reused for another model).
+  checkpoints whose parameter trees differ (e.g. a workdir reused for another model);
+  StorageError if the disk fails the write (the previous averaged checkpoint is kept).
   """
   if isinstance(last, bool) or not isinstance(last, (int, np.integer)) or last < 1:
     raise UserInputError(f'--last must be a positive number of checkpoints, got {last!r}')

@@ -1,18 +1,17 @@
 """Checkpointing of training state plus input-pipeline position, via orbax.
 
-This is the only module in the project that imports orbax: orbax's API moves
-quickly between releases, so it is kept behind one small class. Written against
-orbax-checkpoint 0.12.8.
+This is the only module in the project that imports orbax: orbax's API moves quickly between
+releases, so it is kept behind one small class. Written against orbax-checkpoint 0.12.8.
 
 Each checkpoint step holds two items:
-  * 'state': the training-state pytree (e.g. a flax TrainState), saved with
-    StandardSave. Only pytree leaves are written; static fields such as
-    TrainState.apply_fn / tx live in the treedef and are never serialized.
+  * 'state': the training-state pytree (e.g. a flax TrainState), saved with StandardSave. Only
+    pytree leaves are written; static fields such as TrainState.apply_fn / tx live in the
+    treedef and are never serialized.
   * 'data': a small JSON dict (input-pipeline position), saved with JsonSave.
 
-Restoring takes an *abstract* state (jax.ShapeDtypeStruct leaves with
-`.sharding` set) so arrays are read straight into the target sharding. This is
-what makes a checkpoint written on one device layout loadable on another.
+Restoring takes an *abstract* state (jax.ShapeDtypeStruct leaves with `.sharding` set) so arrays
+are read straight into the target sharding. This is what makes a checkpoint written on one
+device layout loadable on another.
 
 Besides the step checkpoints there is a *params-only* checkpoint (used for the
 averaged parameters, see transformer_jax/checkpoints/averaging.py): `save_params` writes
@@ -20,15 +19,20 @@ averaged parameters, see transformer_jax/checkpoints/averaging.py): `save_params
   DIRECTORY/params/         the params pytree (orbax StandardSave)
   DIRECTORY/metadata.json   a small JSON dict, written last
 
-into a hidden sibling folder and renames it into place, so DIRECTORY either
-does not exist or holds a complete checkpoint; `restore_params_from` and
-`read_metadata` read it back.
+into a hidden sibling folder and renames it into place, so DIRECTORY either does not exist or
+holds a complete checkpoint; `restore_params_from` and `read_metadata` read it back.
+
+A save the disk refuses (`errors.STORAGE_ERRNOS`: full, read-only, ...), however orbax wraps
+it, is a `StorageError` naming the step's (or params checkpoint's) folder; its temporary folder
+is removed and the previous checkpoints are untouched.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import time
 import uuid
 from typing import Any
@@ -44,8 +48,8 @@ from transformer_jax.checkpoints.checksums import (
   leaves_by_name,
   verify_leaves,
 )
-from transformer_jax.common import paths
-from transformer_jax.common.errors import CorruptCheckpointError
+from transformer_jax.common import errors, paths
+from transformer_jax.common.errors import CorruptCheckpointError, StorageError
 
 _STATE = 'state'
 _DATA = 'data'
@@ -53,7 +57,6 @@ _DATA = 'data'
 # compressed chunks do not detect every damaged byte (a flipped byte restored silently with
 # wrong values in a test with 0.12.8), so restore() verifies these.
 _CHECKSUMS = '_checksums'
-
 
 # Layout of a params-only checkpoint (save_params / restore_params_from).
 _PARAMS_ITEM = 'params'
@@ -71,13 +74,13 @@ class Checkpointer:
     async_save: bool = True,
     damaged_directory: str | None = None,
   ):
-    # keep=None keeps every checkpoint (use it for read-only access, so that
-    # opening a directory can never be what prunes it).
-    # damaged_directory: where `quarantine` moves steps that do not read back
-    # (None: they stay where they are, and restore_latest_valid cannot skip them).
-    # orbax requires an absolute path; normalising here lets callers pass
-    # relative paths and gives a stable string for error messages. gs:// stays
-    # remote: orbax and tensorstore write Cloud Storage themselves.
+    # keep=None keeps every checkpoint (use it for read-only access, so that opening a
+    # directory can never be what prunes it).
+    # damaged_directory: where `quarantine` moves steps that do not read back (None: they stay
+    # where they are, and restore_latest_valid cannot skip them).
+    # orbax requires an absolute path; normalising here lets callers pass relative paths and
+    # gives a stable string for error messages. gs:// stays remote: orbax and tensorstore write
+    # Cloud Storage themselves.
     self.directory = paths.local_or_remote(directory)
     self.damaged_directory = damaged_directory
     options = ocp.CheckpointManagerOptions(
@@ -86,6 +89,7 @@ class Checkpointer:
     self._manager = ocp.CheckpointManager(
       self.directory, options=options, item_names=(_STATE, _DATA)
     )
+    self._in_flight_step: int | None = None  # Of an async save not yet waited for.
 
   # ---- queries ----
 
@@ -102,9 +106,9 @@ class Checkpointer:
   def save(self, step: int, state: Any, data_state: dict | None = None) -> bool:
     """Dispatches a save of `state` and `data_state` at `step`.
 
-    With async saving this returns once device arrays are copied off and the
-    write is running in the background; call `wait_until_finished` to block.
-    Returns whether a save was started.
+    With async saving this returns once device arrays are copied off and the write is running
+    in the background; call `wait_until_finished` to block. Returns whether a save was started.
+    A failed write (this one's, or the previous async save's) is a StorageError naming its step.
     """
     data = dict(data_state or {})
     data[_CHECKSUMS] = checksums(state)
@@ -114,7 +118,31 @@ class Checkpointer:
         _DATA: ocp.args.JsonSave(data),
       }
     )
-    return bool(self._manager.save(int(step), args=args))
+    self.wait_until_finished()  # orbax would, in save(): here a failure names its own step.
+    with self._writing(int(step)):
+      started = bool(self._manager.save(int(step), args=args))
+    self._in_flight_step = int(step) if started else None
+    return started
+
+  def _writing(self, step: int | None):
+    """A failed write of `step` as a StorageError, after removing its (None: any step's)
+    `<step>.orbax-checkpoint-tmp` folder: orbax never restores one, and it holds space."""
+
+    def remove_unfinished():
+      self._manager.reload()  # orbax's cached list of steps may have lost the last good one.
+      if jax.process_index() != 0 or paths.is_gcs(self.directory):
+        return
+      for entry in os.listdir(self.directory):
+        stem, _, rest = entry.partition('.')
+        if rest.startswith('orbax-checkpoint-tmp') and (step is None or stem == str(step)):
+          for _ in range(20):  # tensorstore may still be finishing writes into it.
+            shutil.rmtree(self.directory / entry, ignore_errors=True)
+            if not (self.directory / entry).exists():
+              break
+            time.sleep(0.1)
+
+    where = self.directory / str(step) if step is not None else self.directory
+    return _as_storage_error(where, remove_unfinished)
 
   # ---- restore ----
 
@@ -122,7 +150,7 @@ class Checkpointer:
     """Maps None to the latest step; raises FileNotFoundError if absent."""
     # An in-flight async save is not yet visible as a step; finish it first so
     # "save then restore" in the same process behaves as expected.
-    self._manager.wait_until_finished()
+    self.wait_until_finished()
     if step is None:
       latest = self._manager.latest_step()
       if latest is None:
@@ -188,7 +216,7 @@ class Checkpointer:
     """Moves a damaged step out of the checkpoint directory, keeping it for inspection."""
     if self.damaged_directory is None:
       raise ValueError('this Checkpointer was given no damaged_directory to move steps to')
-    self._manager.wait_until_finished()
+    self.wait_until_finished()
     destination = paths.local_or_remote(self.damaged_directory) / (
       f'{step}-{time.strftime("%Y%m%d-%H%M%S")}-{uuid.uuid4().hex[:6]}'
     )
@@ -234,12 +262,11 @@ class Checkpointer:
   def restore_params(self, abstract_params: Any, step: int | None = None) -> Any:
     """Restores only `state.params` at `step` (None = latest).
 
-    For inference: no optimizer-state shapes are needed. StandardRestore in
-    orbax 0.12.8 has no partial-restore option, so we read the 'state' item
-    directory with a plain PyTreeCheckpointHandler and `partial_restore=True`,
-    which skips every saved leaf not named in the target tree. The on-disk
-    tree stores dataclass fields by name, so {'params': ...} addresses the
-    TrainState's `params` field.
+    For inference: no optimizer-state shapes are needed. StandardRestore in orbax 0.12.8 has
+    no partial-restore option, so we read the 'state' item directory with a plain
+    PyTreeCheckpointHandler and `partial_restore=True`, which skips every saved leaf not named
+    in the target tree. The on-disk tree stores dataclass fields by name, so {'params': ...}
+    addresses the TrainState's `params` field.
     """
     step = self._resolve_step(step)
     self._check_params_fit(step, abstract_params)
@@ -264,10 +291,10 @@ class Checkpointer:
   def restore_params_to_host(self, step: int | None = None) -> Any:
     """Restores `state.params` at `step` (None = latest) as host NumPy arrays.
 
-    Needs no target: shapes and dtypes come from the checkpoint's own stored
-    tree metadata, so the model never has to be built (used for averaging).
-    Leaves keep their stored dtype (bfloat16 comes back as ml_dtypes.bfloat16).
-    Only the params are read; optimizer state is skipped (partial restore).
+    Needs no target: shapes and dtypes come from the checkpoint's own stored tree metadata, so
+    the model never has to be built (used for averaging). Leaves keep their stored dtype
+    (bfloat16 comes back as ml_dtypes.bfloat16). Only the params are read; optimizer state is
+    skipped (partial restore).
     """
     return _params_to_host(self.directory, self._resolve_step(step))
 
@@ -280,13 +307,17 @@ class Checkpointer:
   # ---- lifecycle ----
 
   def wait_until_finished(self) -> None:
-    """Blocks until any background save has been committed to disk."""
-    self._manager.wait_until_finished()
+    """Blocks until any background save is committed to disk (StorageError if it failed)."""
+    step, self._in_flight_step = self._in_flight_step, None
+    with self._writing(step):
+      self._manager.wait_until_finished()
 
   def close(self) -> None:
-    """Waits for pending saves, then releases orbax's resources."""
-    self._manager.wait_until_finished()
-    self._manager.close()
+    """Waits for pending saves, then releases orbax's resources (also after a failed save)."""
+    try:
+      self.wait_until_finished()
+    finally:
+      self._manager.close()
 
   def __enter__(self) -> 'Checkpointer':
     return self
@@ -432,16 +463,16 @@ def _require_params_checkpoint(directory: str | epath.Path) -> epath.Path:
 def save_params(directory: str, params: Any, metadata: dict | None = None) -> str:
   """Writes `params` plus a JSON `metadata` dict as a params-only checkpoint.
 
-  `params` is a pytree of NumPy or jax arrays; the checksum of each (as stored, in
-  its own dtype) goes into metadata.json, under a key `metadata` may not use, for
-  restore_params_from to verify. An existing checkpoint at
-  `directory` is replaced. Everything is first written to a hidden sibling
-  folder (`.NAME.tmp-*`); orbax commits the params inside it, metadata.json is
-  written (and fsynced) last, and only then is the folder renamed to
-  `directory`. A crash therefore never leaves a `directory` that looks
-  complete: at worst a stale hidden folder (removed by the next save) or, in
-  the instant between the two renames of a replacement, no `directory` at all.
-  Single-process only. Returns the absolute path written.
+  `params` is a pytree of NumPy or jax arrays; the checksum of each (as stored, in its own
+  dtype) goes into metadata.json, under a key `metadata` may not use, for restore_params_from
+  to verify. An existing checkpoint at `directory` is replaced. Everything is first written to
+  a hidden sibling folder (`.NAME.tmp-*`); orbax commits the params inside it, metadata.json is
+  written (and fsynced) last, and only then is the folder renamed to `directory`. A crash
+  therefore never leaves a `directory` that looks complete: at worst a stale hidden folder
+  (removed by the next save) or, in the instant between the two renames of a replacement, no
+  `directory` at all. A failed write (a full disk) is a StorageError naming `directory`, with
+  the staging folder removed and the old checkpoint kept. Single-process only. Returns the
+  absolute path written.
   """
   if jax.process_count() > 1:
     raise RuntimeError('save_params writes from one process; run it in a single-process job')
@@ -464,7 +495,7 @@ def save_params(directory: str, params: Any, metadata: dict | None = None) -> st
     _save_params_to_gcs(directory, params, metadata_text)
     return str(directory)
   directory = os.fspath(directory)
-  with paths.staged_folder(directory) as staging:
+  with _as_storage_error(directory), paths.staged_folder(directory) as staging:
     with ocp.StandardCheckpointer() as writer:
       writer.save(os.path.join(staging, _PARAMS_ITEM), params)
       writer.wait_until_finished()
@@ -473,6 +504,21 @@ def save_params(directory: str, params: Any, metadata: dict | None = None) -> st
       f.flush()
       os.fsync(f.fileno())
   return directory
+
+
+@contextlib.contextmanager
+def _as_storage_error(where: str | os.PathLike, clean_up=lambda: None):
+  """A failed write (`errors.storage_failure`, however wrapped) as one StorageError naming
+  `where`, after `clean_up()`."""
+  try:
+    yield
+  except Exception as error:  # pylint: disable=broad-except  # orbax wraps what the OS said.
+    failure = errors.storage_failure(error)
+    if failure is None:
+      raise
+    with contextlib.suppress(OSError):
+      clean_up()
+    raise StorageError(failure.errno, failure.strerror, os.fspath(where)) from error
 
 
 def _save_params_to_gcs(directory: epath.Path, params: Any, metadata_text: str) -> None:

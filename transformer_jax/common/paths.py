@@ -92,9 +92,10 @@ def write_atomically(path: epath.Path, data: bytes | str) -> None:
     with tmp.open(mode) as f:
       f.write(data)
     os.replace(tmp, path)
-  except BaseException:  # Ctrl-C or a full disk: leave no stray temporary file either.
+  except BaseException as error:  # Ctrl-C or a full disk: leave no stray temporary file either.
     with contextlib.suppress(OSError):
       os.unlink(tmp)
+    _raise_naming(error, path)
     raise
 
 
@@ -128,7 +129,7 @@ def staged_folder(directory: str) -> Iterator[str]:
       shutil.rmtree(retired, ignore_errors=True)
     else:
       os.rename(staging, directory)
-  except BaseException:
+  except BaseException as error:
     # A library may still be creating files in the staging folder from a background thread
     # when the error reaches us (orbax, seen under load): remove it until it stays removed.
     for _ in range(20):
@@ -136,6 +137,7 @@ def staged_folder(directory: str) -> Iterator[str]:
       if not os.path.exists(staging):
         break
       time.sleep(0.1)
+    _raise_naming(error, directory)
     raise
   with contextlib.suppress(OSError):  # POSIX only.
     fd = os.open(parent, os.O_RDONLY)
@@ -233,10 +235,18 @@ def _replace_whole(destination: str, data: bytes, mode: int | None) -> None:
         os.fchmod(f.fileno(), mode)  # A file the user made private stays private.
       f.write(data)
     os.replace(tmp, destination)
-  except BaseException:
+  except BaseException as error:
     with contextlib.suppress(OSError):
       os.unlink(tmp)
+    _raise_naming(error, destination)
     raise
+
+
+def _raise_naming(error: BaseException, path: str | os.PathLike) -> None:
+  """Re-raises an OSError that names no file as one naming `path`, so that a full disk's
+  one-line error (cli.run) says what was being written; any other error is left to `raise`."""
+  if isinstance(error, OSError) and error.errno is not None and error.filename is None:
+    raise OSError(error.errno, error.strerror, os.fspath(path)) from error
 
 
 def local_or_remote(value: str | os.PathLike) -> epath.Path:
@@ -255,3 +265,163 @@ def move(source: epath.Path, destination: epath.Path) -> None:
     return
   destination.parent.mkdir(parents=True, exist_ok=True)
   shutil.move(os.fspath(source), os.fspath(destination))
+
+
+# --- Outputs kept apart from inputs and runs ------------------------------------------------
+
+# Left in every folder an export command writes, so that `--force` may replace that folder
+# later: a folder without it (a workdir, a home folder, someone's data) is never deleted.
+EXPORT_MARKER = '.transformer_jax-export'
+_MAX_FILES_COMPARED = 100_000  # A hard-linked output is compared with a run's files, at most.
+
+
+def check_outputs_apart(
+  outputs: dict[str, str | os.PathLike | None],
+  inputs: dict[str, str | os.PathLike | None] | None = None,
+  runs: dict[str, str | os.PathLike | None] | None = None,
+  *,
+  run_outputs: tuple[str | os.PathLike, ...] = (),
+) -> None:
+  """A one-line error unless each output path is apart from every input and every run folder.
+
+  outputs: flag -> a file or folder the command writes; inputs: flag -> a file or folder it
+  reads; runs: flag -> a workdir it reads (a run's files, which no output may replace).
+  run_outputs: places inside a run the command writes by design (its default hypotheses
+  folder, the server's export folder), allowed to lie inside the run.
+  Call it before any work. `None` entries (an unset flag, stdin/stdout) are skipped.
+
+  An output clashes with an input when both are the same file after resolving links, the same
+  inode (a hard link, or a descriptor such as /dev/stdout redirected to the input), or when
+  one is a folder that holds the other. It clashes with a run when it is the run's folder,
+  holds it, or lies inside it (outside `run_outputs`), or is a hard link to a file in it.
+  Devices (/dev/null) and pipes clash with nothing: writing them replaces no file.
+  """
+  reads = [(flag, _Place(value)) for flag, value in (inputs or {}).items() if value is not None]
+  held = [(flag, _Place(value)) for flag, value in (runs or {}).items() if value is not None]
+  allowed = [_Place(value) for value in run_outputs]
+  for out_flag, out_value in outputs.items():
+    if out_value is None:
+      continue
+    out = _Place(out_value)
+    if out.is_stream:
+      continue
+    named = f'{out_flag}={os.fspath(out_value)}'
+    for in_flag, source in reads:
+      relation = _relation(out, source, hard_links_below=False)
+      if relation:
+        raise UserInputError(
+          f'{named} {relation} {in_flag}={os.fspath(source.given)}: the command would write '
+          'over what it reads; write the output elsewhere'
+        )
+    for run_flag, run in held:
+      if any(out.key == place.key or out.lies_inside(place) for place in allowed):
+        continue
+      relation = _relation(out, run, hard_links_below=True)
+      if relation:
+        raise UserInputError(
+          f'{named} {relation} {run_flag}={os.fspath(run.given)}, a run this command reads: '
+          'writing there would damage it; write the output elsewhere'
+        )
+
+
+def check_replaceable_folder(directory: str | os.PathLike, flag: str, force: bool) -> None:
+  """A one-line error unless the export folder `directory` may be written: new, or (with
+  `force`) an empty folder or one an earlier export wrote (it holds `EXPORT_MARKER`).
+  Anything else, such as a workdir, a folder holding one or someone's files, is never
+  replaced, even with --force."""
+  directory = os.fspath(directory)
+  named = f'{flag}={directory}'
+  if not os.path.lexists(directory):
+    return
+  if not os.path.isdir(directory):
+    raise UserInputError(f'{named} is a file, not a folder')
+  if os.listdir(directory) and not os.path.isfile(os.path.join(directory, EXPORT_MARKER)):
+    raise UserInputError(
+      f'{named} exists and was not written by an export (it has no {EXPORT_MARKER} file), '
+      'so it is never replaced, even with --force; give a new folder'
+    )
+  if not force:
+    raise UserInputError(f'{named} is already there (pass --force to replace it)')
+
+
+def mark_export_folder(directory: str | os.PathLike) -> None:
+  """Leaves `EXPORT_MARKER` in a folder an export writes (see `check_replaceable_folder`)."""
+  with open(os.path.join(os.fspath(directory), EXPORT_MARKER), 'w', encoding='utf-8') as f:
+    f.write('Written by a transformer_jax export; `--force` may replace this folder.\n')
+
+
+class _Place:
+  """A path as the file system sees it: its real location and, if it exists, its inode."""
+
+  def __init__(self, value: str | os.PathLike):
+    self.given = value
+    text = os.fspath(value)
+    self.remote = is_gcs(text)
+    self.is_stream = False
+    self.stat = None
+    if self.remote:
+      self.key = text.rstrip('/')
+      return
+    try:
+      destination, descriptor = output_destination(text)
+    except OSError:
+      destination, descriptor = os.path.abspath(text), None
+    if descriptor is not None:
+      # /dev/stdout and the like: what the descriptor is open on decides.
+      with contextlib.suppress(OSError):
+        self.stat = os.fstat(descriptor)
+      self.key = None
+      self.is_stream = self.stat is None or not stat.S_ISREG(self.stat.st_mode)
+      return
+    self.key = os.path.realpath(destination)
+    with contextlib.suppress(OSError):
+      self.stat = os.stat(self.key)
+    if self.stat is not None and not (
+      stat.S_ISREG(self.stat.st_mode) or stat.S_ISDIR(self.stat.st_mode)
+    ):
+      self.is_stream = True  # A named pipe or a device replaces no file.
+
+  @property
+  def inode(self) -> tuple[int, int] | None:
+    return None if self.stat is None else (self.stat.st_dev, self.stat.st_ino)
+
+  @property
+  def is_dir(self) -> bool:
+    return self.stat is not None and stat.S_ISDIR(self.stat.st_mode)
+
+  def lies_inside(self, other: '_Place') -> bool:
+    if self.key is None or other.key is None or self.remote != other.remote:
+      return False
+    return self.key.startswith(other.key.rstrip('/') + '/')
+
+
+def _relation(out: _Place, other: _Place, *, hard_links_below: bool) -> str | None:
+  """How `out` clashes with `other` (words for the error), or None."""
+  if out.key is not None and out.key == other.key:
+    return 'is'
+  if out.inode is not None and out.inode == other.inode:
+    return 'is the same file (a hard link or a redirection) as'
+  if other.lies_inside(out):
+    return 'is a folder holding'
+  if out.lies_inside(other):
+    return 'lies inside'
+  if hard_links_below and other.is_dir and _is_hard_link_into(out, other):
+    return 'is a hard link to a file in'
+  return None
+
+
+def _is_hard_link_into(out: _Place, folder: _Place) -> bool:
+  """Whether the existing regular file `out` is another name of a file under `folder`."""
+  if out.stat is None or not stat.S_ISREG(out.stat.st_mode) or out.stat.st_nlink < 2:
+    return False
+  seen = 0
+  for parent, _, names in os.walk(folder.key):
+    for name in names:
+      seen += 1
+      if seen > _MAX_FILES_COMPARED:
+        return False
+      with contextlib.suppress(OSError):
+        found = os.stat(os.path.join(parent, name), follow_symlinks=False)
+        if (found.st_dev, found.st_ino) == out.inode:
+          return True
+  return False

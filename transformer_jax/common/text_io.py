@@ -1,8 +1,34 @@
 """Plain-text files of sentences, one per line: reading them strictly, writing them whole.
 
-The commands' inputs (`translate --input`, `evaluate --src/--ref`) and outputs (translations,
-hypotheses) go through here, so line endings, encodings and half-written files are handled the
-same way everywhere.
+The commands' inputs (`translate --input` or stdin, `evaluate --src/--ref`, the text files
+`prepare_text_dataset` trains on) and outputs (translations, hypotheses) go through here, so line
+endings, encodings and half-written files are handled the same way everywhere.
+
+Reading: one policy (`decode_text` for a whole file or piped stdin, `decode_lines` for a
+terminal's lines as they are typed; the StableHLO export's runner, which may not import this
+package, keeps a copy that tests/text_policy_test.py holds to the same answers). What is not
+UTF-8 text is refused, with one line naming the file (`--flag=FILE` or `FILE`) and, where it is
+one line's fault, the 1-based line (`FILE line N: ...`):
+
+* a compressed file or an archive, by its first bytes (gzip, bzip2, xz, zstd, lz4, zip, 7z),
+  named with the command that gets its text ("gzip-compressed, not UTF-8 text; decompress it
+  first (gunzip -c FILE | ...)");
+* UTF-16 or UTF-32 text, by its byte order mark (FF FE, FE FF, FF FE 00 00, 00 00 FE FF),
+  named with the iconv command that converts it;
+* a NUL byte (binary data, or UTF-16 without a byte order mark): its line;
+* bytes that are not UTF-8: the line, the byte and its offset in the file;
+* a U+FEFF after the very start (files joined with `cat` keep each one's byte order mark): its
+  line, since an invisible character would change what is translated or scored;
+* CR-only (old Mac) line endings: a CR and no '\n' anywhere.
+
+Handled, not refused: ONE UTF-8 byte order mark at the very start is dropped (a file of nothing
+but one has no lines); a line ends at '\n' and loses the CRs before it (CRLF); a CR inside a
+line stays part of it (some corpora carry stray ones; lines are counted by '\n' only); a last
+line without '\n' is a line; an empty file has no lines. The one exception: `translate` from a
+terminal (`decode_lines(replace_invalid=True)`) turns bytes that are not UTF-8 into U+FFFD, so
+that a terminal whose locale is not UTF-8 does not end the session; files and piped stdin never.
+The metrics drop a U+FEFF at the start of the first sentence given through the Python API
+(`without_byte_order_mark`), so that a byte order mark never changes a score.
 
 Every path is checked before any work (before a checkpoint is restored or a sentence decoded),
 so a typo or a permission problem costs seconds, not a test set's translations, and is one line
@@ -30,8 +56,10 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import re
+import shlex
 import stat
-from typing import IO, Sequence
+from typing import IO, Iterable, Iterator, Sequence
 
 from transformer_jax.common import paths
 from transformer_jax.common.errors import UserInputError
@@ -139,24 +167,174 @@ def _reason(error: OSError) -> str:
   return error.strerror or str(error)
 
 
+_BOM = '\ufeff'
+
+
 def read_lines(path: str, flag: str | None = None) -> list[str]:
-  """Lines of a UTF-8 text file (local or gs://) without their line endings (CRLF too)."""
+  """The lines of a text file (local or gs://; a pipe such as bash's `<(...)` is read once),
+  under the reading policy of the module docstring; errors name `flag=path` (or `path`)."""
   check_readable_file(path, flag)
   data = paths.resolve(path, flag or 'path').read_bytes()
+  return decode_text(data, f'{flag}={path}' if flag else str(path), path)
+
+
+def decode_text(data: bytes, name: str, path: str | None = None) -> list[str]:
+  """The lines of a whole text's bytes, without their line endings, under the reading policy
+  of the module docstring. A refusal is a UserInputError of one line naming `name` (and the
+  line); `path` (default: the word FILE) fills in the command its advice gives."""
+  _check_is_text(data, name, path)
+  # (line, order within a line, error): the first line's problem is refused, as `decode_lines`
+  # would, reading line by line.
+  problems = []
+  nul = data.find(b'\x00')
+  if nul >= 0:
+    line = data.count(b'\n', 0, nul) + 1
+    problems.append((line, 0, _nul_error(name, line)))
   try:
     text = data.decode('utf-8')
   except UnicodeDecodeError as error:
-    line = data[: error.start].count(b'\n') + 1
-    raise UserInputError(f'{path}:{line}: not valid UTF-8') from None
+    line = data.count(b'\n', 0, error.start) + 1
+    problems.append((line, 1, _invalid_utf8_error(name, line, data[error.start], error.start)))
+    text = data.decode('utf-8', errors='replace')  # Only to find the problems of earlier lines.
+  text = text.removeprefix(_BOM)
+  stray = text.find(_BOM)
+  if stray >= 0:
+    line = text.count('\n', 0, stray) + 1
+    problems.append((line, 2, _stray_bom_error(name, line)))
+  if '\r' in text and '\n' not in text:
+    problems.append((1, 3, _cr_only_error(name)))
+  if problems:
+    raise min(problems, key=lambda problem: problem[:2])[2]
+  if not text:
+    return []
   lines = text.split('\n')
-  if lines and lines[-1] == '':
+  if lines[-1] == '':
     lines.pop()  # The final newline ends the last line; it does not start a new one.
-  return [line.rstrip('\r') for line in lines]
+  return [line.rstrip('\r') for line in lines] if '\r' in text else lines
 
 
-def decode_line(raw: bytes) -> str:
-  """One line read in binary: bytes that are not UTF-8 become U+FFFD instead of an error."""
-  return raw.decode('utf-8', errors='replace').rstrip('\r\n')
+def decode_lines(
+  stream: Iterable[bytes], name: str, *, replace_invalid: bool = False
+) -> Iterator[str]:
+  """`decode_text`'s policy one line at a time, each line decoded as soon as it is read (a
+  terminal's typing). `replace_invalid`: bytes that are not UTF-8 become U+FFFD instead of an
+  error (a terminal whose locale is not UTF-8 should not end the session)."""
+  offset = 0
+  for number, raw in enumerate(stream, 1):
+    if number == 1:
+      _check_is_text(raw, name, None)
+    nul = raw.find(b'\x00')
+    if nul >= 0:
+      raise _nul_error(name, number)
+    try:
+      text = raw.decode('utf-8')
+    except UnicodeDecodeError as error:
+      if not replace_invalid:
+        raise _invalid_utf8_error(name, number, raw[error.start], offset + error.start) from None
+      text = raw.decode('utf-8', errors='replace')
+    offset += len(raw)
+    if number == 1:
+      text = text.removeprefix(_BOM)
+      if not text:
+        return  # A byte order mark alone is an empty file, not one empty line.
+    if _BOM in text:
+      raise _stray_bom_error(name, number)
+    if text.endswith('\n'):
+      text = text[:-1]
+    elif number == 1 and '\r' in text:  # No '\n' anywhere: the whole input is this line.
+      raise _cr_only_error(name)
+    yield text.rstrip('\r')
+
+
+def without_byte_order_mark(sentences: Sequence[str]) -> list[str]:
+  """`sentences` with one U+FEFF removed from the start of the first: where the byte order mark
+  of a file read with `open(FILE, encoding='utf-8')` lands. The metrics call it, so that a BOM
+  never changes a score."""
+  sentences = list(sentences)
+  if sentences and isinstance(sentences[0], str) and sentences[0].startswith(_BOM):
+    sentences[0] = sentences[0][1:]
+  return sentences
+
+
+# What a file that is not UTF-8 text starts with: (bytes at offset 0, what the file is, the
+# command that gets its text). bzip2's 'BZh' and a level digit are followed by a block's magic,
+# or by the end-of-stream magic of an empty stream, so that text starting 'BZh9' is not refused.
+_NOT_TEXT = (
+  (b'\x1f\x8b', 'gzip-compressed', 'decompress it first (gunzip -c FILE | ...)'),
+  (
+    re.compile(b'BZh[1-9](?:1AY&SY|\x17rE8P\x90)'),
+    'bzip2-compressed',
+    'decompress it first (bunzip2 -c FILE | ...)',
+  ),
+  (b'\xfd7zXZ\x00', 'xz-compressed', 'decompress it first (xz -dc FILE | ...)'),
+  (b'\x28\xb5\x2f\xfd', 'zstd-compressed', 'decompress it first (zstd -dc FILE | ...)'),
+  (b'\x04\x22\x4d\x18', 'lz4-compressed', 'decompress it first (lz4 -dc FILE | ...)'),
+  (
+    re.compile(b'PK(?:\x03\x04|\x05\x06|\x07\x08)'),
+    'a zip archive',
+    'extract the text file from it first (unzip -p FILE | ...)',
+  ),
+  (
+    b"7z\xbc\xaf'\x1c",
+    'a 7z archive',
+    'extract the text file from it first (7z x -so FILE | ...)',
+  ),
+  # UTF-32's marks first: UTF-32LE's starts with UTF-16LE's.
+  (
+    b'\xff\xfe\x00\x00',
+    'UTF-32LE text (by its byte order mark)',
+    'convert it to UTF-8 first (iconv -f UTF-32 -t UTF-8 FILE | ...)',
+  ),
+  (
+    b'\x00\x00\xfe\xff',
+    'UTF-32BE text (by its byte order mark)',
+    'convert it to UTF-8 first (iconv -f UTF-32 -t UTF-8 FILE | ...)',
+  ),
+  (
+    b'\xff\xfe',
+    'UTF-16LE text (by its byte order mark)',
+    'convert it to UTF-8 first (iconv -f UTF-16 -t UTF-8 FILE | ...)',
+  ),
+  (
+    b'\xfe\xff',
+    'UTF-16BE text (by its byte order mark)',
+    'convert it to UTF-8 first (iconv -f UTF-16 -t UTF-8 FILE | ...)',
+  ),
+)
+
+
+def _check_is_text(start: bytes, name: str, path: str | None) -> None:
+  for magic, what, advice in _NOT_TEXT:
+    if magic.match(start) if isinstance(magic, re.Pattern) else start.startswith(magic):
+      advice = advice.replace('FILE', shlex.quote(path) if path else 'FILE')
+      raise UserInputError(f'{name}: {what}, not UTF-8 text; {advice}')
+
+
+def _nul_error(name: str, line: int) -> UserInputError:
+  return UserInputError(
+    f'{name} line {line}: NUL byte; this looks like a binary file, expected UTF-8 text with '
+    'one sentence per line'
+  )
+
+
+def _invalid_utf8_error(name: str, line: int, byte: int, offset: int) -> UserInputError:
+  return UserInputError(
+    f'{name} line {line}: invalid UTF-8 (byte 0x{byte:02x} at offset {offset}); convert the '
+    'file to UTF-8'
+  )
+
+
+def _stray_bom_error(name: str, line: int) -> UserInputError:
+  return UserInputError(
+    f'{name} line {line}: a byte order mark (U+FEFF) after the start of the text (files joined '
+    'with cat keep theirs); only one, at the very start, is allowed: remove it'
+  )
+
+
+def _cr_only_error(name: str) -> UserInputError:
+  return UserInputError(
+    f'{name} line 1: the file uses CR-only (old Mac) line endings; convert them to \\n'
+  )
 
 
 def write_lines(
@@ -178,9 +356,15 @@ def write_lines(
 
 
 def write_output(path: str | os.PathLike, data: bytes | str, flag: str) -> None:
-  """`paths.write_output`, with a failure (a full disk, a pipe's reader gone) as one line."""
+  """`paths.write_output`, with a failure as one line: the disk's (full, read-only, failing) a
+  StorageError naming `path` (exit status 4), any other (a pipe's reader gone) a
+  UserInputError naming `flag`."""
+  from transformer_jax.common.errors import STORAGE_ERRNOS, StorageError
+
   resolved = paths.resolve(path, flag)
   try:
     paths.write_output(resolved, data)
   except OSError as error:
+    if error.errno in STORAGE_ERRNOS:
+      raise StorageError(error.errno, error.strerror, os.fspath(resolved)) from None
     raise UserInputError(f'{flag}={path}: cannot write it ({_reason(error)})') from None

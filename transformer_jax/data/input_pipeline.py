@@ -14,7 +14,7 @@ import io
 import itertools
 import json
 import os
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import grain
 import jax
@@ -33,18 +33,30 @@ from transformer_jax.workdir.layout import Workdir
 Batch = dict[str, np.ndarray]
 
 
-def resolve_dataset(config: ml_collections.ConfigDict, data_dir: str) -> str:
-  """The tfds name to read, preparing the datasets this package builds itself.
+def _accept_any(identity: str) -> None:
+  del identity
+
+
+def resolve_dataset(
+  config: ml_collections.ConfigDict,
+  data_dir: str,
+  check_identity: Callable[[str], None] = _accept_any,
+) -> tuple[str, str | None]:
+  """(the tfds name to read, the data's identity), preparing the datasets this package builds.
 
   'number_words[/config]' is generated offline; 'text' prepares the user's parallel files in
   config.data.dir (once per content: the name carries the files' hash); anything else must be
-  a tfds dataset already prepared as array_record in data_dir.
+  a tfds dataset already prepared as array_record in data_dir, whose identity (None here) is
+  read from it (`load_data_sources`). `check_identity` sees the identity before anything is
+  prepared.
   """
   name = config.dataset
   if name.split('/')[0] == 'number_words':
     config_name = name.split('/')[1] if '/' in name else 'default'
+    identity = _number_words_identity(config_name)
+    check_identity(identity)
     number_words.prepare(data_dir, config_name)
-    return f'number_words/{config_name}'
+    return f'number_words/{config_name}', identity
   if name == 'text':
     text_dir = paths.resolve(config.data.dir, 'config.data.dir')
     if paths.is_gcs(text_dir):  # Read from a local copy, like a prepared dataset.
@@ -52,25 +64,52 @@ def resolve_dataset(config: ml_collections.ConfigDict, data_dir: str) -> str:
     src_paths, tgt_paths = text_dataset.text_paths(
       os.fspath(text_dir), config.data.src_lang, config.data.tgt_lang
     )
-    return text_dataset.prepare_text_dataset(
+    # The name is the identity: it carries the hash of the files' contents (not their paths).
+    name = text_dataset.prepare_text_dataset(
       src_path_by_split=src_paths,
       tgt_path_by_split=tgt_paths,
       data_dir=data_dir,
       src_lang=config.data.src_lang,
       tgt_lang=config.data.tgt_lang,
       max_chars=config.data.max_chars,
+      check_name=check_identity,
     )
-  return name
+    return name, name
+  return name, None
+
+
+def _describe_dataset(name: str, version: object, examples: dict[str, int]) -> str:
+  """One line: the name, version and example count of every split."""
+  counts = ', '.join(f'{split} {examples[split]}' for split in sorted(examples))
+  return f'{name} {version} ({counts})'
+
+
+def _number_words_identity(config_name: str) -> str:
+  """The generated task is its code's version and its variant's split sizes."""
+  variant = number_words.NumberWords.builder_configs[config_name]
+  sizes = {
+    'train': variant.train_size,
+    'validation': variant.validation_size,
+    'test': variant.test_size,
+  }
+  return _describe_dataset(f'number_words/{config_name}', number_words.NumberWords.VERSION, sizes)
 
 
 def load_data_sources(
-  config: ml_collections.ConfigDict, data_dir: str | os.PathLike
+  config: ml_collections.ConfigDict,
+  data_dir: str | os.PathLike,
+  check_identity: Callable[[str], None] = _accept_any,
 ) -> dict[str, Any]:
-  """Random-access sources of every split of the (prepared) dataset, by split name.
+  """Random-access sources of every split of the (prepared) dataset, by split name, with its
+  tfds 'name' and its 'identity' (a line that changes with its content, not with its path).
 
   A gs:// data_dir is read from a verified local copy (`staging.py`). The datasets this
   package builds itself, when the bucket does not hold them (`prepare_data` puts them there),
   are prepared straight into that local cache on each host.
+
+  `check_identity` is called with the identity before anything is prepared (for a prepared
+  tfds dataset, once it is opened): a resumed run refuses other data there, with nothing
+  written.
   """
   data_dir = paths.resolve(data_dir, 'config.data_dir')
   if paths.is_gcs(data_dir):
@@ -80,7 +119,7 @@ def load_data_sources(
     else:
       data_dir = staging.stage(data_dir, config.dataset)
   data_dir = os.fspath(data_dir)
-  name = resolve_dataset(config, data_dir)
+  name, identity = resolve_dataset(config, data_dir, check_identity)
   try:
     sources = tfds.data_source(name, data_dir=data_dir, try_gcs=False)
   except (tfds.core.registered.DatasetNotFoundError, FileNotFoundError, AssertionError) as error:
@@ -102,7 +141,11 @@ def load_data_sources(
         f'config.data.{field}={config.data[field]!r}: dataset {name!r} has no such feature '
         f'(it has {", ".join(features)})'
       )
-  return {'name': name, **sources}
+  if identity is None:  # A tfds dataset prepared elsewhere: what its metadata says of it.
+    version = sources[config.train_split].dataset_info.version
+    identity = _describe_dataset(name, version, {s: len(sources[s]) for s in sources})
+    check_identity(identity)
+  return {'name': name, 'identity': identity, **sources}
 
 
 def _did_you_mean(name: str) -> str:
@@ -144,18 +187,20 @@ def load_target_tokenizer(workdir: Workdir) -> Tokenizer | None:
 
 
 def load_or_train_tokenizer(
-  config: ml_collections.ConfigDict, workdir: Workdir, train_source
+  config: ml_collections.ConfigDict, workdir: Workdir, train_source, *, trained: bool = False
 ) -> Tokenizer:
   """The workdir's vocabulary if it exists (a resumed run), else a new one trained and saved.
 
   A vocabulary of another size than config.vocab_size is kept only by a workdir whose run was
-  saved (resuming then refuses the changed field, naming it); one left by a run that failed
-  before saving its config is stale, and is trained again.
+  saved (resuming then refuses the changed field, naming it) or that holds parameters
+  (`trained`: they were trained with it, even if config.json was lost); one left by a run that
+  failed before saving its config is stale, and is trained again. A workdir with parameters
+  but no vocabulary is refused before this (`training.run_config.check_resume`).
   """
   path = workdir.vocab_file
   if path.exists():
     tokenizer = Tokenizer.load(path)
-    if tokenizer.vocab_size == config.vocab_size or workdir.read_run_config_if_present():
+    if tokenizer.vocab_size == config.vocab_size or trained or workdir.read_run_config_if_present():
       return tokenizer
     log(
       f'{path} has {tokenizer.vocab_size} pieces but config.vocab_size={config.vocab_size}, and '

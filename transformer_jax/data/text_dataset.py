@@ -58,13 +58,14 @@ import logging as python_logging
 import os
 import re
 import sys
-from typing import Iterator
+from typing import Callable, Iterator
 
 import tensorflow_datasets as tfds
 from absl import logging
 from etils import epath
 from tensorflow_datasets.core import shuffle as tfds_shuffle
 
+from transformer_jax.common import text_io
 from transformer_jax.common.errors import UserInputError, is_integer
 from transformer_jax.common.paths import file_sha256
 
@@ -193,39 +194,11 @@ def _normalise_splits(
   return pairs
 
 
-def _line_of(data: bytes, offset: int) -> int:
-  """1-based line number of byte `offset`."""
-  return data.count(b'\n', 0, offset) + 1
-
-
 def _read_lines(path: str, data: bytes) -> list[str]:
-  """The lines of a UTF-8 text file's bytes, without line terminators."""
-  nul = data.find(b'\x00')
-  if nul >= 0:
-    raise UserInputError(
-      f'{path} line {_line_of(data, nul)}: NUL byte; this looks like a '
-      'binary file, expected UTF-8 text with one sentence per line'
-    )
-  try:
-    text = data.decode('utf-8')
-  except UnicodeDecodeError as error:
-    raise UserInputError(
-      f'{path} line {_line_of(data, error.start)}: invalid UTF-8 '
-      f'(byte 0x{data[error.start]:02x} at offset {error.start}); '
-      'convert the file to UTF-8'
-    ) from None
-  if text.startswith('\ufeff'):
-    text = text[1:]  # Byte order mark.
-  if '\r' in text and '\n' not in text:
-    raise UserInputError(
-      f'{path} line 1: the file uses CR-only (old Mac) line endings; convert them to \\n'
-    )
-  if not text:
-    return []
-  lines = text.split('\n')
-  if lines[-1] == '':
-    lines.pop()  # The final newline ends the last line rather than starting one.
-  return lines
+  """The lines of a text file's bytes, without line terminators, under the reading policy of
+  `common.text_io` (the same for translate and evaluate): a UserInputError naming the file and
+  line for anything that is not UTF-8 text."""
+  return text_io.decode_text(data, path, path)
 
 
 def _fingerprint(
@@ -366,6 +339,7 @@ def prepare_text_dataset(
   src_lang: str,
   tgt_lang: str,
   max_chars: int = 10_000,
+  check_name: Callable[[str], None] | None = None,
 ) -> str:
   """Prepares the parallel files as array_record once; returns the tfds name.
 
@@ -376,6 +350,9 @@ def prepare_text_dataset(
     data_dir: the tfds data directory to prepare into (and to load from).
     src_lang, tgt_lang: language codes; they are the feature names.
     max_chars: pairs with a side longer than this (after stripping) are dropped.
+    check_name: called with the name once the files are hashed, before anything else is read
+      or written: the name identifies the content, so a resumed run refuses other data there
+      (`training.run_config.check_resume`) without preparing it.
 
   Returns:
     'parallel_text/<src>_<tgt>_<12 hex digits>', for
@@ -395,6 +372,8 @@ def prepare_text_dataset(
   digests = {split: (file_sha256(src), file_sha256(tgt)) for split, (src, tgt) in paths.items()}
   config_name = f'{src_lang}_{tgt_lang}_{_fingerprint(digests, src_lang, tgt_lang, max_chars)}'
   name = f'{DATASET_NAME}/{config_name}'
+  if check_name is not None:
+    check_name(name)
   path = dataset_path(name, data_dir)
   if (path / 'dataset_info.json').exists():
     report = {}

@@ -2,17 +2,24 @@
 category where the task defines categories). Scoring a whole test set: `evaluation.test_set`.
 
 Which scores mean something depends on the task: on the embedded number-words task most outputs
-are one word, which has no 4-grams, so BLEU is not reported; exact match per category is."""
+are one word, which has no 4-grams, so BLEU is not reported; exact match per category is.
+
+A U+FEFF at the start of the first hypothesis or reference (a file's byte order mark, read as
+text) is dropped before scoring (`text_io.without_byte_order_mark`): a BOM never changes a
+score."""
 
 from __future__ import annotations
 
 import sacrebleu
 
+from transformer_jax.common import text_io
 from transformer_jax.data import number_words
 
 
 def score(hypotheses: list[str], references: list[str]) -> dict:
   """sacreBLEU corpus BLEU and chrF (default settings: 13a tokenization, mixed case)."""
+  hypotheses = text_io.without_byte_order_mark(hypotheses)
+  references = text_io.without_byte_order_mark(references)
   bleu = sacrebleu.metrics.BLEU()
   chrf = sacrebleu.metrics.CHRF()
   bleu_score = bleu.corpus_score(hypotheses, [references])
@@ -52,6 +59,8 @@ def exact_match_by_category(
 ) -> dict[str, tuple[int, int]]:
   """{category: (exact matches, sentences)} in number_words.CATEGORIES order, only those seen;
   sentences of no category are counted under 'none'."""
+  references = text_io.without_byte_order_mark(references)
+  hypotheses = text_io.without_byte_order_mark(hypotheses)
   counts: dict[str, list[int]] = {}
   for reference, hypothesis, category in zip(references, hypotheses, categories, strict=True):
     hits_total = counts.setdefault(category or 'none', [0, 0])
@@ -79,6 +88,8 @@ def translation_metrics(
 ) -> dict[str, float]:
   """Exact match, sacreBLEU corpus chrF and (with_bleu) BLEU of detokenized hypotheses; with
   `categories` (one per sentence) also 'exact_match/<category>' for each category present."""
+  references = text_io.without_byte_order_mark(references)
+  hypotheses = text_io.without_byte_order_mark(hypotheses)
   scores = score(hypotheses, references)
   hits = sum(h == r for h, r in zip(hypotheses, references))
   result = {'exact_match': hits / max(len(references), 1)}

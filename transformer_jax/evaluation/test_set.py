@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from transformer_jax.common import text_io
+from transformer_jax.common import paths, text_io
 from transformer_jax.common.errors import UserInputError
 from transformer_jax.evaluation.metrics import (
   bleu_is_meaningful,
@@ -41,6 +41,11 @@ def evaluate(
     raise UserInputError('metrics.evaluate takes lists of sentences, got a single str')
   if len(sources) != len(references):
     raise UserInputError(f'{len(sources)} source lines but {len(references)} reference lines')
+  if not sources:
+    raise UserInputError('no sentences: nothing to evaluate')
+  # A file's byte order mark read as text (open(FILE, encoding='utf-8')) changes no score.
+  sources = text_io.without_byte_order_mark(sources)
+  references = text_io.without_byte_order_mark(references)
   start = time.time()
   hypotheses = translator.translate(
     sources, beam_size=beam_size, alpha=alpha, beam_rule=beam_rule, progress=progress
@@ -74,6 +79,9 @@ def evaluate_files(
   file written)."""
   check_decoding_options(beam_size, alpha, batch_size, beam_rule)
   sources, references = text_io.read_lines(src, '--src'), text_io.read_lines(ref, '--ref')
+  for flag, path, lines in (('--src', src, sources), ('--ref', ref, references)):
+    if not lines:
+      raise UserInputError(f'{flag}={path} is empty: nothing to evaluate')
   if len(sources) != len(references):
     raise UserInputError(f'{src} has {len(sources)} lines but {ref} has {len(references)}')
   # Before the test set is translated: the hypotheses must have somewhere to go.
@@ -82,6 +90,12 @@ def evaluate_files(
   else:
     out = Workdir(workdir).hypotheses_file(src, checkpoint, beam_size, alpha, beam_rule)
     text_io.check_writable_output(out, '--out', make_folders=True)
+  paths.check_outputs_apart(
+    {'--out': out},
+    {'--src': src, '--ref': ref},
+    {'--workdir': workdir},
+    run_outputs=(Workdir(workdir).hypotheses_folder,),
+  )
   translator = Translator.from_checkpoint(workdir, checkpoint, batch_size)
   saved = Workdir(workdir).read_run_config_if_present() or {}
   dataset = saved.get('config', {}).get('dataset')

@@ -342,9 +342,9 @@ def export(
   if paths.is_gcs(out_dir):
     raise UserInputError(f'--out={out_dir}: CTranslate2 reads local directories only')
   out_dir = os.path.abspath(out_dir)
-  if os.path.exists(out_dir) and not (os.path.isdir(out_dir) and force):
-    what = 'a file' if not os.path.isdir(out_dir) else 'already there (pass --force to replace it)'
-    raise UserInputError(f'--out={out_dir} is {what}')
+  # Never a workdir, a folder holding one or someone's files, even with --force.
+  paths.check_replaceable_folder(out_dir, '--out', force)
+  paths.check_outputs_apart({'--out': out_dir}, runs={'--workdir': workdir})
   restored = Translator.from_checkpoint(workdir, checkpoint, batch_size=1)
   config = restored.model_config
   spec = model_spec(config, restored.params, restored.tokenizer)
@@ -352,6 +352,7 @@ def export(
 
   with paths.staged_folder(out_dir) as staging:
     spec.save(staging)
+    paths.mark_export_folder(staging)
     with open(os.path.join(staging, SENTENCEPIECE_FILE), 'wb') as f:
       f.write(Workdir(workdir).vocab_file.read_bytes())
     with open(os.path.join(staging, README_FILE), 'w', encoding='utf-8') as f:

@@ -338,9 +338,9 @@ def export(
   if paths.is_gcs(out_dir):
     raise UserInputError(f'--out={out_dir}: the runner reads local directories only')
   out_dir = os.path.abspath(out_dir)
-  if os.path.exists(out_dir) and not (os.path.isdir(out_dir) and force):
-    what = 'a file' if not os.path.isdir(out_dir) else 'already there (pass --force to replace it)'
-    raise UserInputError(f'--out={out_dir} is {what}')
+  # Never a workdir, a folder holding one or someone's files, even with --force.
+  paths.check_replaceable_folder(out_dir, '--out', force)
+  paths.check_outputs_apart({'--out': out_dir}, runs={'--workdir': workdir})
   check_export_options(beam_sizes=beam_sizes, platforms=platforms)  # Before any checkpoint.
   beam_sizes, platforms = tuple(sorted(beam_sizes)), tuple(platforms)
   restored = Translator.from_checkpoint(workdir, checkpoint, batch_size=1)
@@ -353,6 +353,7 @@ def export(
   default_beam_size = 4 if 4 in beam_sizes else max(beam_sizes)
 
   with paths.staged_folder(out_dir) as staging:
+    paths.mark_export_folder(staging)
     for beam_size, exported in searches.items():
       with open(os.path.join(staging, search_file(beam_size)), 'wb') as f:
         f.write(exported.serialize())

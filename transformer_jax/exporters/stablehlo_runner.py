@@ -23,6 +23,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import shlex
 import sys
 from typing import Sequence
 
@@ -176,9 +178,109 @@ class ExportedTranslator:
     return outputs
 
 
-def _read_lines(stream) -> list[str]:
-  # Bytes that are not UTF-8 become U+FFFD instead of ending the run (as `translate`).
-  return [raw.decode('utf-8', errors='replace').rstrip('\r\n') for raw in stream]
+# The reading policy of transformer_jax.common.text_io (its home, documented there), copied
+# because this file may not import transformer_jax: `decode_text` gives the same lines and the
+# same one-line messages (ValueError here, UserInputError there) on the same bytes, which
+# tests/text_policy_test.py checks on a table of byte strings. Change both or neither.
+_BOM = '\ufeff'
+_NOT_TEXT = (
+  (b'\x1f\x8b', 'gzip-compressed', 'decompress it first (gunzip -c FILE | ...)'),
+  (
+    re.compile(b'BZh[1-9](?:1AY&SY|\x17rE8P\x90)'),
+    'bzip2-compressed',
+    'decompress it first (bunzip2 -c FILE | ...)',
+  ),
+  (b'\xfd7zXZ\x00', 'xz-compressed', 'decompress it first (xz -dc FILE | ...)'),
+  (b'\x28\xb5\x2f\xfd', 'zstd-compressed', 'decompress it first (zstd -dc FILE | ...)'),
+  (b'\x04\x22\x4d\x18', 'lz4-compressed', 'decompress it first (lz4 -dc FILE | ...)'),
+  (
+    re.compile(b'PK(?:\x03\x04|\x05\x06|\x07\x08)'),
+    'a zip archive',
+    'extract the text file from it first (unzip -p FILE | ...)',
+  ),
+  (
+    b"7z\xbc\xaf'\x1c",
+    'a 7z archive',
+    'extract the text file from it first (7z x -so FILE | ...)',
+  ),
+  (
+    b'\xff\xfe\x00\x00',
+    'UTF-32LE text (by its byte order mark)',
+    'convert it to UTF-8 first (iconv -f UTF-32 -t UTF-8 FILE | ...)',
+  ),
+  (
+    b'\x00\x00\xfe\xff',
+    'UTF-32BE text (by its byte order mark)',
+    'convert it to UTF-8 first (iconv -f UTF-32 -t UTF-8 FILE | ...)',
+  ),
+  (
+    b'\xff\xfe',
+    'UTF-16LE text (by its byte order mark)',
+    'convert it to UTF-8 first (iconv -f UTF-16 -t UTF-8 FILE | ...)',
+  ),
+  (
+    b'\xfe\xff',
+    'UTF-16BE text (by its byte order mark)',
+    'convert it to UTF-8 first (iconv -f UTF-16 -t UTF-8 FILE | ...)',
+  ),
+)
+
+
+def decode_text(data: bytes, name: str, path: str | None = None) -> list[str]:
+  """The lines of a whole input's bytes, without line endings (text_io.decode_text's copy)."""
+  for magic, what, advice in _NOT_TEXT:
+    if magic.match(data) if isinstance(magic, re.Pattern) else data.startswith(magic):
+      advice = advice.replace('FILE', shlex.quote(path) if path else 'FILE')
+      raise ValueError(f'{name}: {what}, not UTF-8 text; {advice}')
+  problems = []  # (line, order within a line, message): the first line's problem is refused.
+  nul = data.find(b'\x00')
+  if nul >= 0:
+    line = data.count(b'\n', 0, nul) + 1
+    problems.append(
+      (
+        line,
+        0,
+        f'{name} line {line}: NUL byte; this looks like a binary file, expected UTF-8 text '
+        'with one sentence per line',
+      )
+    )
+  try:
+    text = data.decode('utf-8')
+  except UnicodeDecodeError as error:
+    line = data.count(b'\n', 0, error.start) + 1
+    problems.append(
+      (
+        line,
+        1,
+        f'{name} line {line}: invalid UTF-8 (byte 0x{data[error.start]:02x} at offset '
+        f'{error.start}); convert the file to UTF-8',
+      )
+    )
+    text = data.decode('utf-8', errors='replace')
+  text = text.removeprefix(_BOM)
+  stray = text.find(_BOM)
+  if stray >= 0:
+    line = text.count('\n', 0, stray) + 1
+    problems.append(
+      (
+        line,
+        2,
+        f'{name} line {line}: a byte order mark (U+FEFF) after the start of the text (files '
+        'joined with cat keep theirs); only one, at the very start, is allowed: remove it',
+      )
+    )
+  if '\r' in text and '\n' not in text:
+    problems.append(
+      (1, 3, f'{name} line 1: the file uses CR-only (old Mac) line endings; convert them to \\n')
+    )
+  if problems:
+    raise ValueError(min(problems)[2])
+  if not text:
+    return []
+  lines = text.split('\n')
+  if lines[-1] == '':
+    lines.pop()
+  return [line.rstrip('\r') for line in lines] if '\r' in text else lines
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -194,12 +296,18 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument('--input', default=None, help='UTF-8 text file (default: stdin)')
   parser.add_argument('--output', default=None, help='file to write (default: stdout)')
   args = parser.parse_args(argv)
+  try:  # The input first: a file that is not text costs no loading.
+    if args.input is None:
+      lines = decode_text(sys.stdin.buffer.read(), 'stdin')
+    else:
+      with open(args.input, 'rb') as f:
+        lines = decode_text(f.read(), f'--input={args.input}', args.input)
+  except (OSError, ValueError) as error:
+    reason = error.strerror if isinstance(error, OSError) and error.strerror else error
+    where = f'--input={args.input}: ' if isinstance(error, OSError) else ''
+    print(f'error: {where}{reason}', file=sys.stderr)
+    return 2
   translator = ExportedTranslator(args.model_dir)
-  if args.input is None:
-    lines = _read_lines(sys.stdin.buffer)
-  else:
-    with open(args.input, 'rb') as f:
-      lines = _read_lines(f)
   try:
     translations = translator.translate(lines, args.beam_size, args.alpha, args.batch_size)
   except ValueError as error:

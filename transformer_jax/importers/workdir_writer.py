@@ -15,6 +15,7 @@ import ml_collections
 import numpy as np
 
 from transformer_jax.checkpoints import checkpointer
+from transformer_jax.common import paths
 from transformer_jax.common.errors import UserInputError
 from transformer_jax.configs import default
 from transformer_jax.data.tokenizer import Tokenizer
@@ -138,6 +139,10 @@ def import_marian_model(
   """`python -m transformer_jax.import_marian`: reads a Marian model (`marian.read_model`:
   a .npz, or an OPUS-MT folder, with its vocabulary) and writes it as the imported workdir
   `workdir` (`write`)."""
+  paths.check_outputs_apart(
+    {'--workdir': workdir},
+    {'--model': model, '--vocab': vocab, '--spm': spm, '--target_spm': target_spm},
+  )
   model_config, params, vocabulary, origin, target_vocabulary = marian.read_model(
     model, vocab, spm, max_len=max_len, target_spm=target_spm
   )

@@ -14,7 +14,7 @@ from __future__ import annotations
 import io
 import os
 
-from transformer_jax.common import text_io
+from transformer_jax.common import paths, text_io
 from transformer_jax.common.errors import UserInputError, is_integer
 from transformer_jax.inference.translator import AttentionMaps, Translator, check_decoding_options
 
@@ -135,6 +135,7 @@ def plot_translation(
   # Before the checkpoint is restored: a wrong --out costs seconds, not a translation.
   check_image_format(out)
   text_io.check_writable_output(out, '--out')
+  paths.check_outputs_apart({'--out': out}, runs={'--workdir': workdir})
   translator = Translator.from_checkpoint(workdir, checkpoint)
   model = translator.model_config
   check_layers(layers, model.num_encoder_layers if kind == 'encoder' else model.num_decoder_layers)

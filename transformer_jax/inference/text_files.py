@@ -26,8 +26,9 @@ def translate_text(
   """The `translate` command: one translation per input line, in order (empty in, empty out).
 
   Reads `input_path` (or stdin) and writes `output_path` (or stdout). When stdin is a
-  terminal, translates each line as soon as it is typed. Bytes that are not UTF-8 become
-  U+FFFD instead of ending the run.
+  terminal, translates each line as soon as it is typed. Input is read by `text_io`'s policy
+  (what is not UTF-8 text is refused with its line), before the checkpoint is restored; only a
+  terminal's bytes that are not UTF-8 become U+FFFD instead of ending the session.
   """
   stdin = stdin or sys.stdin.buffer
   stdout = stdout or sys.stdout
@@ -36,20 +37,21 @@ def translate_text(
     text_io.check_readable_file(input_path, '--input')
   if output_path is not None:  # Before any work: translations with nowhere to go are lost.
     text_io.check_writable_output(output_path, '--output')
+    paths.check_outputs_apart(
+      {'--output': output_path}, {'--input': input_path}, {'--workdir': workdir}
+    )
+  interactive = input_path is None and stdin.isatty()
+  if input_path is not None:
+    lines = text_io.read_lines(input_path, '--input')
+  elif not interactive:
+    lines = text_io.decode_text(stdin.read(), 'stdin')
   translator = Translator.from_checkpoint(workdir, checkpoint, batch_size)
-  if input_path is None and stdin.isatty():
+  if interactive:
     print('Type a sentence and press Enter (Ctrl-D to quit).', file=sys.stderr)
-    for raw in stdin:
-      (translation,) = translator.translate(
-        [text_io.decode_line(raw)], beam_size, alpha, beam_rule=beam_rule
-      )
+    for line in text_io.decode_lines(stdin, 'stdin', replace_invalid=True):
+      (translation,) = translator.translate([line], beam_size, alpha, beam_rule=beam_rule)
       print(translation, file=stdout, flush=True)
     return
-  if input_path is not None:
-    with paths.resolve(input_path, '--input').open('rb') as f:
-      lines = [text_io.decode_line(raw) for raw in f]
-  else:
-    lines = [text_io.decode_line(raw) for raw in stdin]
   translations = translator.translate(
     lines, beam_size=beam_size, alpha=alpha, beam_rule=beam_rule, progress=True
   )

@@ -105,6 +105,11 @@ def prepare(
   elif paths.is_gcs(directory):
     raise UserInputError(f'--ctranslate2_dir={directory}: CTranslate2 reads local folders only')
   directory = os.path.abspath(directory)
+  paths.check_outputs_apart(
+    {flag: directory},
+    runs={'--workdir': workdir},
+    run_outputs=(Workdir(workdir).ctranslate2_export,),
+  )
   record = read_source(directory)
   if os.path.exists(directory) and not os.path.isdir(directory):
     raise UserInputError(f'{flag}={directory} is a file, not a folder')

@@ -22,7 +22,9 @@ from transformer_jax.training import host_memory
 from transformer_jax.training.metric_writers import MetricWriter, TrainingLog
 from transformer_jax.training.preemption import PreemptionFlag as _PreemptionFlag
 from transformer_jax.training.run_config import (
+  check_resume,
   model_config_from,
+  parameters_folder,
   save_run_config,
   validate_run_config,
 )
@@ -65,12 +67,21 @@ class _Run:
 
   def __init__(self, config: ml_collections.ConfigDict, workdir: Workdir):
     self.config = config
-    self.sources = input_pipeline.load_data_sources(config, config.data_dir or workdir.data)
+    # A resume that would change what the parameters depend on is refused before any data is
+    # prepared (into the workdir, without config.data_dir) or any vocabulary trained.
+    self.sources = input_pipeline.load_data_sources(
+      config,
+      config.data_dir or workdir.data,
+      check_identity=lambda data: check_resume(config, workdir, data),
+    )
     self.tokenizer = input_pipeline.load_or_train_tokenizer(
-      config, workdir, self.sources[config.train_split]
+      config,
+      workdir,
+      self.sources[config.train_split],
+      trained=parameters_folder(workdir) is not None,
     )
     self.model_config = model_config_from(config, self.tokenizer.vocab_size)
-    save_run_config(config, self.model_config, workdir)
+    save_run_config(config, self.model_config, workdir, self.sources['identity'])
     self.tokenized = input_pipeline.tokenized_splits(
       self.sources,
       self.tokenizer,

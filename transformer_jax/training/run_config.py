@@ -5,8 +5,10 @@ workdir; compared on resume.
 (by building the `TransformerConfig`), batching, optimiser, loop, mesh, sharding rules and what
 the devices can run — so an impossible value is a one-line `UserInputError` naming the field
 before any dataset is prepared, vocabulary trained or step compiled. `save_run_config` writes
-`config.json` (all that inference needs besides the vocabulary and checkpoints) and, on resume,
-refuses changes to the fields the saved parameters and data order depend on.
+`config.json` (all that inference needs besides the vocabulary and checkpoints, and the identity
+of the vocabulary and data the parameters depend on); on resume, `check_resume` (before any data
+work) and `save_run_config` refuse changes to the fields and files the saved parameters and data
+order depend on, and a lost vocabulary.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import math
 
 import jax
 import ml_collections
+from etils import epath
 
 from transformer_jax.checkpoints.checkpointer import list_steps
 from transformer_jax.common import paths
@@ -61,6 +64,12 @@ _RESUME_FIXED_FIELDS = (
 )
 
 
+# config.json's record, beside 'config' and 'model', of the files the parameters depend on:
+# {'vocab_sha256', 'target_vocab_sha256' (only where targets have their own model), 'data'
+# (`input_pipeline.load_data_sources`' identity: the content, not the path)}.
+IDENTITY_KEY = 'identity'
+
+
 def _resume_fields(config_dict: dict, model: dict) -> dict:
   fields = {f'model.{k}': v for k, v in model.items()}
   for name in _RESUME_FIXED_FIELDS:
@@ -71,26 +80,122 @@ def _resume_fields(config_dict: dict, model: dict) -> dict:
   return fields
 
 
+def _changed_fields(before: dict, after: dict) -> list[str]:
+  return [f'{k}: {before.get(k)!r} -> {after[k]!r}' for k in after if before.get(k) != after[k]]
+
+
+def _has_checkpoints(workdir: Workdir) -> bool:
+  return workdir.checkpoints.exists() and bool(list_steps(workdir.checkpoints)[0])
+
+
+def parameters_folder(workdir: Workdir) -> epath.Path | None:
+  """Where the workdir's parameters are: its checkpoints, or an imported model's until
+  fine-tuning saved one (`workdir/imported.py`); None while it has none, so that nothing
+  depends on its vocabulary or data yet."""
+  if _has_checkpoints(workdir):
+    return workdir.checkpoints
+  if imported.imported_params_are_latest(workdir, trained=False):
+    return workdir.imported
+  return None
+
+
+def _vocabulary_identity(workdir: Workdir) -> dict[str, str]:
+  identity = {'vocab_sha256': paths.file_sha256(workdir.vocab_file)}
+  if workdir.target_vocab_file.exists():
+    identity['target_vocab_sha256'] = paths.file_sha256(workdir.target_vocab_file)
+  return identity
+
+
+def _digest(sha256: str | None) -> str:
+  return f'sha256 {sha256[:12]}' if sha256 else 'none'
+
+
+def _identity_changes(workdir: Workdir, recorded: dict, data: str, trained: bool) -> list[str]:
+  """What differs between the recorded identity and the workdir's files and data now."""
+  changes = []
+  if 'vocab_sha256' in recorded:
+    now = _vocabulary_identity(workdir)
+    for key, file in (
+      ('vocab_sha256', workdir.vocab_file),
+      ('target_vocab_sha256', workdir.target_vocab_file),
+    ):
+      if recorded.get(key) != now.get(key):
+        changes.append(
+          f'vocabulary {file.name}: {_digest(recorded.get(key))} -> {_digest(now.get(key))}'
+        )
+  # Imported parameters depend on no data: it may change until fine-tuning saved a checkpoint.
+  if trained and 'data' in recorded and recorded['data'] != data:
+    changes.append(f'data: {recorded["data"]} -> {data}')
+  return changes
+
+
+def check_resume(config: ml_collections.ConfigDict, workdir: Workdir, data: str) -> None:
+  """Refuses, in one line and before any data is prepared or vocabulary trained, a run that
+  would change what the workdir's run depends on: the fixed config fields (the model's are
+  compared by `save_run_config`, once the vocabulary is known) and, where the workdir holds
+  parameters, the vocabulary they were trained with (a missing one too) and, once training
+  saved a checkpoint, the data (`data`: its identity, `input_pipeline.load_data_sources`).
+  Called by every process: all read the same config.json and files.
+  """
+  saved = workdir.read_run_config_if_present()
+  trained = _has_checkpoints(workdir)
+  baseline, _ = imported.resume_baseline(saved, trained)
+  differing = []
+  if baseline is not None:
+    before = _resume_fields(baseline['config'], {})
+    differing = _changed_fields(before, _resume_fields(json.loads(config.to_json()), {}))
+  parameters = parameters_folder(workdir)
+  identity_changes = []
+  if parameters is not None:
+    if not workdir.vocab_file.exists():
+      raise UserInputError(
+        f'{workdir.vocab_file} is missing, but the parameters in {parameters} were trained '
+        'with it: restore the file (a new vocabulary would give their ids other pieces), or '
+        'use a new --workdir'
+      )
+    # Workdirs written before identities were recorded have none: save_run_config records it.
+    recorded = (saved or {}).get(IDENTITY_KEY, {})
+    if not isinstance(recorded, dict):
+      raise UserInputError(
+        f'{workdir.config_file}: its "{IDENTITY_KEY}" section is {recorded!r}, not the '
+        'record train.py writes'
+      )
+    identity_changes = _identity_changes(workdir, recorded, data, trained)
+  if differing or identity_changes:
+    files = ' and files' if identity_changes else ''
+    raise UserInputError(
+      f'{workdir.config_file}: resuming with changed fields '
+      f'({", ".join(differing + identity_changes)}); use a new --workdir or the original '
+      f'settings{files}'
+    )
+
+
 def save_run_config(
-  config: ml_collections.ConfigDict, model_config: TransformerConfig, workdir: Workdir
+  config: ml_collections.ConfigDict,
+  model_config: TransformerConfig,
+  workdir: Workdir,
+  data: str,
 ) -> None:
-  """Writes the resolved config; on resume, refuses changes to fields the run depends on."""
+  """Writes the resolved config and the identity of the vocabulary and `data` it was run with
+  (in workdirs written before identities were recorded, too: from this resume on they are
+  compared); on resume, refuses changes to fields the run depends on (`check_resume` compared
+  the rest before any data work)."""
   path = workdir.config_file
   resolved = {'config': json.loads(config.to_json()), 'model': model_config.to_dict()}
-  trained = workdir.checkpoints.exists() and bool(list_steps(workdir.checkpoints)[0])
+  trained = _has_checkpoints(workdir)
   saved, carried = imported.resume_baseline(workdir.read_run_config_if_present(), trained)
   resolved.update(carried)
   if saved is not None:
     before = _resume_fields(saved.get('config', {}), saved.get('model', {}))
-    after = _resume_fields(resolved['config'], resolved['model'])
-    differing = [k for k in after if before.get(k) != after[k]]
+    differing = _changed_fields(before, _resume_fields(resolved['config'], resolved['model']))
     if differing:
-      details = ', '.join(f'{k}: {before.get(k)!r} -> {after[k]!r}' for k in differing)
       raise UserInputError(
-        f'{path}: resuming with changed fields ({details}); use a new '
+        f'{path}: resuming with changed fields ({", ".join(differing)}); use a new '
         '--workdir or the original settings'
       )
   if jax.process_index() == 0:
+    # Process 0 saved the vocabulary if this run trained it: the others may not see it yet.
+    resolved[IDENTITY_KEY] = {**_vocabulary_identity(workdir), 'data': data}
     workdir.write_run_config(resolved)
 
 

@@ -15,6 +15,10 @@ written by `importers.workdir_writer`), in one place:
 2. Resuming (`resume_baseline`): until fine-tuning has saved its first checkpoint, the data
    and training fields may differ from config.json's; afterwards resuming follows the usual
    rules (`training.run_config.save_run_config`). config.json keeps its 'imported_from'.
+   The vocabulary is the imported parameters' from the start: the first fine-tuning run
+   records its hash (config.json's 'identity'), and from then on a run with another one, or
+   with none, is refused (`training.run_config.check_resume`); the data's identity is compared
+   only once fine-tuning has saved a checkpoint.
 3. Parameters (`imported_params_are_latest`): until training has saved a checkpoint, the
    imported parameters are the workdir's latest: translation serves them
    (`checkpoints.served`) and fine-tuning starts from them with a fresh optimiser state

@@ -1,6 +1,8 @@
 """A training workdir on disk: the one place that knows its layout, its lock and its config.
 
-    DIR/config.json             the resolved run config and model config (`run_config`)
+    DIR/config.json             the resolved run config and model config, and the identity
+                                of the vocabulary and data the parameters depend on
+                                (`training.run_config`)
     DIR/vocab.model             the shared SentencePiece vocabulary
     DIR/target_vocab.model      optional: the same ids, segmenting targets (an imported target.spm)
     DIR/checkpoints/<step>/     orbax step checkpoints (state + input-pipeline position)
@@ -110,6 +112,11 @@ class Workdir:
     """Where `serve --engine=ctranslate2` keeps its export, unless --ctranslate2_dir is given."""
     return self.path / _CTRANSLATE2_EXPORT
 
+  @property
+  def hypotheses_folder(self) -> epath.Path:
+    """Where `evaluate` writes its hypotheses unless --out is given."""
+    return self.path / _HYPOTHESES
+
   def token_cache_file(self, dataset_name: str, split: str) -> epath.Path:
     return self.path / _TOKEN_CACHE / f'{dataset_name.replace("/", "_")}-{split}.npz'
 
@@ -127,7 +134,7 @@ class Workdir:
       f'{epath.Path(source_path).name}.{checkpoint or "default"}.beam{beam_size}{rule}'
       f'.alpha{alpha:g}.txt'
     )
-    return self.path / _HYPOTHESES / name
+    return self.hypotheses_folder / name
 
   def check_not_a_file(self) -> None:
     if self.path.exists() and not self.path.is_dir():
