@@ -18,6 +18,7 @@ from transformer_jax.common.paths import file_sha256
 from transformer_jax.data import number_words
 from transformer_jax.data.tokenizer import Tokenizer
 from transformer_jax.importers import workdir_writer
+from transformer_jax.inference.translator import Translator
 from transformer_jax.training import loop
 from transformer_jax.workdir.layout import Workdir
 
@@ -138,6 +139,12 @@ def test_a_replaced_vocabulary_is_refused_naming_it(tiny_workdir, data_dir, tmp_
   with pytest.raises(UserInputError, match=re.escape(message)):
     loop.train_and_evaluate(config, workdir)
   assert _listing(workdir) == before
+  # Translating with it (translate, evaluate, serve, export all restore through Translator)
+  # would give every piece another id: refused too, naming the file and both hashes.
+  message = f'vocabulary vocab.model: sha256 {old[:12]} -> sha256 {new[:12]} since the parameters'
+  with pytest.raises(UserInputError, match=re.escape(message)) as error:
+    Translator.from_checkpoint(workdir)
+  assert '\n' not in str(error.value)
 
 
 def test_another_corpus_is_refused_naming_the_data(text_run, tmp_path):

@@ -121,6 +121,7 @@ class Translator:
       # Trained with the GPU kernel: the same parameters translate anywhere through XLA's.
       model_config = model_config.replace(attention_impl='xla')
     tokenizer = Tokenizer.load(workdir.vocab_file)
+    workdir.check_vocabulary_unchanged(saved)
     if tokenizer.vocab_size != model_config.vocab_size:
       raise UserInputError(
         f'{tokenizer.path}: vocabulary has {tokenizer.vocab_size} pieces but '

@@ -34,7 +34,7 @@ from transformer_jax.data import number_words, text_dataset, tokenizer
 from transformer_jax.model.config import TransformerConfig
 from transformer_jax.training import optim, sharding
 from transformer_jax.workdir import imported
-from transformer_jax.workdir.layout import Workdir
+from transformer_jax.workdir.layout import IDENTITY_KEY, Workdir
 
 BATCHING_MODES = ('fixed', 'tokens', 'packed')
 # The features of the generated number_words dataset (either may be the source).
@@ -62,12 +62,6 @@ _RESUME_FIXED_FIELDS = (
   'max_target_length',
   'seed',
 )
-
-
-# config.json's record, beside 'config' and 'model', of the files the parameters depend on:
-# {'vocab_sha256', 'target_vocab_sha256' (only where targets have their own model), 'data'
-# (`input_pipeline.load_data_sources`' identity: the content, not the path)}.
-IDENTITY_KEY = 'identity'
 
 
 def _resume_fields(config_dict: dict, model: dict) -> dict:
@@ -99,30 +93,9 @@ def parameters_folder(workdir: Workdir) -> epath.Path | None:
   return None
 
 
-def _vocabulary_identity(workdir: Workdir) -> dict[str, str]:
-  identity = {'vocab_sha256': paths.file_sha256(workdir.vocab_file)}
-  if workdir.target_vocab_file.exists():
-    identity['target_vocab_sha256'] = paths.file_sha256(workdir.target_vocab_file)
-  return identity
-
-
-def _digest(sha256: str | None) -> str:
-  return f'sha256 {sha256[:12]}' if sha256 else 'none'
-
-
 def _identity_changes(workdir: Workdir, recorded: dict, data: str, trained: bool) -> list[str]:
   """What differs between the recorded identity and the workdir's files and data now."""
-  changes = []
-  if 'vocab_sha256' in recorded:
-    now = _vocabulary_identity(workdir)
-    for key, file in (
-      ('vocab_sha256', workdir.vocab_file),
-      ('target_vocab_sha256', workdir.target_vocab_file),
-    ):
-      if recorded.get(key) != now.get(key):
-        changes.append(
-          f'vocabulary {file.name}: {_digest(recorded.get(key))} -> {_digest(now.get(key))}'
-        )
+  changes = workdir.vocabulary_changes(recorded)
   # Imported parameters depend on no data: it may change until fine-tuning saved a checkpoint.
   if trained and 'data' in recorded and recorded['data'] != data:
     changes.append(f'data: {recorded["data"]} -> {data}')
@@ -195,7 +168,7 @@ def save_run_config(
       )
   if jax.process_index() == 0:
     # Process 0 saved the vocabulary if this run trained it: the others may not see it yet.
-    resolved[IDENTITY_KEY] = {**_vocabulary_identity(workdir), 'data': data}
+    resolved[IDENTITY_KEY] = {**workdir.vocabulary_identity(), 'data': data}
     workdir.write_run_config(resolved)
 
 

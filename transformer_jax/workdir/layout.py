@@ -49,6 +49,11 @@ _DATA = 'data'
 _HYPOTHESES = 'hypotheses'
 _CTRANSLATE2_EXPORT = 'ctranslate2_export'
 _LOCK_FILE = '.lock'
+# config.json's record, beside 'config' and 'model', of the files the parameters depend on:
+# {'vocab_sha256', 'target_vocab_sha256' (only where targets have their own model), 'data'
+# (`input_pipeline.load_data_sources`' identity: the content, not the path)}.
+IDENTITY_KEY = 'identity'
+_VOCABULARY_HASHES = (('vocab_sha256', _VOCAB_FILE), ('target_vocab_sha256', _TARGET_VOCAB_FILE))
 
 
 class Workdir:
@@ -176,6 +181,39 @@ class Workdir:
         )
     return saved
 
+  def vocabulary_identity(self) -> dict[str, str]:
+    """The SHA-256 of each vocabulary file there is, under its `IDENTITY_KEY` name."""
+    return {
+      key: paths.file_sha256(self.path / name)
+      for key, name in _VOCABULARY_HASHES
+      if name == _VOCAB_FILE or (self.path / name).exists()
+    }
+
+  def vocabulary_changes(self, recorded: dict) -> list[str]:
+    """How the vocabulary files differ from the hashes `recorded` in config.json's identity
+    (`vocabulary vocab.model: sha256 1234abcd5678 -> 9876fedc4321`); none when nothing was
+    recorded (a workdir from before the record existed)."""
+    if 'vocab_sha256' not in recorded:
+      return []
+    now = self.vocabulary_identity()
+    return [
+      f'vocabulary {name}: {_digest(recorded.get(key))} -> {_digest(now.get(key))}'
+      for key, name in _VOCABULARY_HASHES
+      if recorded.get(key) != now.get(key)
+    ]
+
+  def check_vocabulary_unchanged(self, saved: dict) -> None:
+    """A one-line error when a vocabulary file is not the one the parameters were trained
+    with (its hash in `saved`, the run config): its pieces would get other ids, and every
+    translation would be garbage without a word of warning."""
+    recorded = saved.get(IDENTITY_KEY)
+    changes = self.vocabulary_changes(recorded) if isinstance(recorded, dict) else []
+    if changes:
+      raise UserInputError(
+        f'{self.path}: {"; ".join(changes)} since the parameters were trained (recorded in '
+        f'{_CONFIG_FILE}); restore the original file'
+      )
+
   def write_run_config(self, resolved: dict) -> None:
     paths.write_atomically(self.config_file, json.dumps(resolved, indent=2, sort_keys=True))
 
@@ -194,6 +232,10 @@ class Workdir:
     if self.is_remote:
       return gcs_lock.GcsLock(os.fspath(self.path / name), expiry_seconds)
     return WorkdirLock(os.fspath(self.path / name))
+
+
+def _digest(sha256: str | None) -> str:
+  return f'sha256 {sha256[:12]}' if sha256 else 'none'
 
 
 def check_folder_writable(
