@@ -1,15 +1,17 @@
-"""The model bound to the search: `greedy_decode` / `beam_decode` give `search.decode` (which
-never imports the model) a `tokens -> logits` step over the model's key/value cache, and the
-source length buckets every decoding caller pads to (`source_bucket`)."""
+"""The model bound to the search: `greedy_decode` / `beam_decode` / `sample_decode` give
+`search.decode` and `search.sampling` (which never import the model) a `tokens -> logits` step
+over the model's key/value cache, and the source length buckets every decoding caller pads to
+(`source_bucket`). Each takes an optional target prefix (`search.prefix`)."""
 
 from __future__ import annotations
 
 import jax
 
+from transformer_jax.common.errors import UserInputError
 from transformer_jax.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
 from transformer_jax.model.cache import extend_cache, reorder_beams, unstack_decoder_layers
 from transformer_jax.model.transformer import Transformer
-from transformer_jax.search import decode
+from transformer_jax.search import decode, sampling
 
 
 def init_cache(
@@ -76,14 +78,24 @@ def _cached_step_fn(model: Transformer, params, src_ids: jax.Array) -> decode.St
 
 
 def greedy_decode(
-  model: Transformer, params, src_ids: jax.Array, *, max_decode_len: int, use_cache: bool = True
+  model: Transformer,
+  params,
+  src_ids: jax.Array,
+  *,
+  max_decode_len: int,
+  use_cache: bool = True,
+  prefix: jax.Array | None = None,
+  prefix_lengths: jax.Array | None = None,
 ) -> jax.Array:
   """Greedy translation of a batch of source ids [b, s] -> output ids [b, max_decode_len].
 
   Rows end with EOS followed by padding. Call under jit (`max_decode_len`, `use_cache` static).
+  prefix int32[b, P], prefix_lengths int32[b]: each row's forced first target ids, returned as
+  the start of its output (`search.prefix`).
   """
   batch_size = src_ids.shape[0]
   encoded = model.apply({'params': params}, src_ids, method=Transformer.encode)
+  forcing = dict(prefix=prefix, prefix_lengths=prefix_lengths)
   if use_cache:
     # One cache length: greedy's cache is beam_size times smaller than beam search's, and
     # growing it (`_cache_lengths`) measured no faster, for one more compiled loop per length.
@@ -95,6 +107,7 @@ def greedy_decode(
       bos_id=BOS_ID,
       eos_id=EOS_ID,
       pad_id=PAD_ID,
+      **forcing,
     )
 
   def logits_fn(target_input_ids):
@@ -109,6 +122,7 @@ def greedy_decode(
     bos_id=BOS_ID,
     eos_id=EOS_ID,
     pad_id=PAD_ID,
+    **forcing,
   )
 
 
@@ -123,12 +137,16 @@ def beam_decode(
   max_lengths: jax.Array | None = None,
   use_cache: bool = True,
   rule: str = 'exact',
+  prefix: jax.Array | None = None,
+  prefix_lengths: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """Beam search: source ids [b, s] -> (ids [b, beam, max_decode_len], scores [b, beam]).
 
   Best hypothesis first; scores are log-probabilities divided by the GNMT length penalty.
   `max_lengths` [b] caps each sentence's output (e.g. its source length + 50). `rule`:
   decode.BEAM_RULES ('ctranslate2' ends and stops as CTranslate2 does; decode.beam_search).
+  prefix, prefix_lengths: as for greedy_decode; every hypothesis starts with the prefix and its
+  score counts the prefix's log-probability.
   """
   batch_size = src_ids.shape[0]
   encoded = model.apply({'params': params}, src_ids, method=Transformer.encode)
@@ -142,6 +160,8 @@ def beam_decode(
     alpha=alpha,
     max_lengths=max_lengths,
     rule=rule,
+    prefix=prefix,
+    prefix_lengths=prefix_lengths,
   )
   if use_cache:
     cache_lengths = _cache_lengths(max_decode_len)
@@ -165,6 +185,56 @@ def beam_decode(
     )
 
   return decode.beam_search_uncached(logits_fn, **common)
+
+
+def check_sampling_options(temperature, top_k, top_p) -> None:
+  """Raises a one-line UserInputError naming the option (temperature, top_k or top_p) that
+  `sample_decode` would refuse: callers check before loading any model."""
+  problem = sampling.sampling_option_problem(temperature, top_k, top_p)
+  if problem:
+    raise UserInputError(problem)
+
+
+def sample_decode(
+  model: Transformer,
+  params,
+  src_ids: jax.Array,
+  *,
+  keys,
+  temperature=1.0,
+  top_k: int = 0,
+  top_p=1.0,
+  max_decode_len: int,
+  max_lengths: jax.Array | None = None,
+  prefix: jax.Array | None = None,
+  prefix_lengths: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+  """Sampled translations: source ids [b, s] -> (ids [b, max_decode_len], log_probs [b]).
+
+  keys: one PRNG key per sentence (typed [b] or uint32 [b, 2]); a sentence's draw depends on
+  its key and source only. temperature, top_k, top_p: `search.sampling.filter_logits` (check
+  them first with `check_sampling_options`); log_probs: each output's total log-probability
+  under the model (temperature 1, unfiltered). max_lengths [b] caps each output; prefix,
+  prefix_lengths as for greedy_decode. Call under jit (max_decode_len and top_k static).
+  """
+  batch_size = src_ids.shape[0]
+  encoded = model.apply({'params': params}, src_ids, method=Transformer.encode)
+  return sampling.sample_search(
+    _cached_step_fn(model, params, src_ids),
+    init_cache(model, params, encoded, src_ids, max_decode_len),
+    batch_size=batch_size,
+    max_decode_len=max_decode_len,
+    bos_id=BOS_ID,
+    eos_id=EOS_ID,
+    pad_id=PAD_ID,
+    keys=keys,
+    temperature=temperature,
+    top_k=top_k,
+    top_p=top_p,
+    max_lengths=max_lengths,
+    prefix=prefix,
+    prefix_lengths=prefix_lengths,
+  )
 
 
 # Source lengths are padded to powers of two from this one (source_bucket).

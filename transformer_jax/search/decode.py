@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from transformer_jax.search import prefix as target_prefix
 from transformer_jax.search.candidates import best_extensions, mask_pad
 
 # step_fn(token_ids int32[b, 1], cache) -> (logits float32[b, vocab], new_cache)
@@ -96,19 +97,25 @@ def _greedy_loop(
   bos_id: int,
   eos_id: int,
   pad_id: int,
+  prefix: jax.Array | None = None,
+  prefix_lengths: jax.Array | None = None,
 ) -> tuple[jax.Array, Any]:
   """The greedy while_loop shared by the cached and uncached variants.
 
   next_logits(step, token [b,1], out [b,max_len], extra) -> (logits [b,vocab],
   new_extra) gives the logits for position `step`; `extra` is whatever state
   the variant carries (the model cache, or nothing). Returns (out, extra).
+  prefix, prefix_lengths: the target prefix (search.prefix).
   """
   _check_lengths(batch_size, max_decode_len)
+  forcing = target_prefix.check_prefix(prefix, prefix_lengths, batch_size)
 
   def body(state):
     step, token, out, finished, extra = state
     logits, extra = next_logits(step, token, out, extra)
     logits = mask_pad(logits, pad_id)
+    if forcing is not None:
+      logits = target_prefix.force_logits(logits, *target_prefix.forced_tokens(step, *forcing))
     chosen = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [b]
     written, finished = _record_token(chosen, finished, eos_id=eos_id, pad_id=pad_id)
     out = jax.lax.dynamic_update_slice_in_dim(out, written[:, None], step, axis=1)
@@ -138,6 +145,8 @@ def greedy_search(
   eos_id: int,
   pad_id: int = 0,
   return_cache: bool = False,
+  prefix: jax.Array | None = None,
+  prefix_lengths: jax.Array | None = None,
 ):
   """Greedy decoding with an incremental (key/value) cache.
 
@@ -149,6 +158,10 @@ def greedy_search(
   Returns int32[batch_size, max_decode_len] (see module docstring), or
   (tokens, final_cache) if return_cache, e.g. to continue decoding or to read
   how far the cache advanced (step_fn runs once per step until all rows end).
+
+  prefix int32[batch_size, P], prefix_lengths int32[batch_size] (default P):
+  row i's first prefix_lengths[i] tokens are forced to prefix[i] and are part
+  of the output; the search goes on from them (search.prefix).
   """
   tokens, cache = _greedy_loop(
     lambda step, token, out, cache: step_fn(token, cache),
@@ -158,6 +171,8 @@ def greedy_search(
     bos_id=bos_id,
     eos_id=eos_id,
     pad_id=pad_id,
+    prefix=prefix,
+    prefix_lengths=prefix_lengths,
   )
   return (tokens, cache) if return_cache else tokens
 
@@ -170,6 +185,8 @@ def greedy_search_uncached(
   bos_id: int,
   eos_id: int,
   pad_id: int = 0,
+  prefix: jax.Array | None = None,
+  prefix_lengths: jax.Array | None = None,
 ) -> jax.Array:
   """Greedy decoding by full recomputation of the target prefix each step.
 
@@ -177,6 +194,7 @@ def greedy_search_uncached(
   max_decode_len, vocab] must be causal (position i sees inputs[:, :i+1]).
   Quadratic in length; it exists as the reference the cached path must match
   token for token, and as the baseline that shows what the cache buys.
+  prefix, prefix_lengths: as for greedy_search.
   """
   tokens, _ = _greedy_loop(
     _uncached_next_logits(logits_fn, bos_id),
@@ -186,6 +204,8 @@ def greedy_search_uncached(
     bos_id=bos_id,
     eos_id=eos_id,
     pad_id=pad_id,
+    prefix=prefix,
+    prefix_lengths=prefix_lengths,
   )
   return tokens
 
@@ -278,6 +298,8 @@ def _beam_loop(
   rule: str = 'exact',
   cache_lengths: tuple[int, ...] = (),
   extend_cache: ExtendFn | None = None,
+  prefix: jax.Array | None = None,
+  prefix_lengths: jax.Array | None = None,
 ):
   """The beam while_loop shared by the cached and uncached variants.
 
@@ -291,6 +313,7 @@ def _beam_loop(
     raise ValueError(f'beam_size ({beam_size}) must be >= 1')
   if rule not in BEAM_RULES:
     raise ValueError(f'rule must be one of {BEAM_RULES}, got {rule!r}')
+  forcing = target_prefix.check_prefix(prefix, prefix_lengths, batch_size)
   b, k, seq_len = batch_size, beam_size, max_decode_len
   neg_inf = jnp.float32(-jnp.inf)
   if max_lengths is None:
@@ -319,9 +342,19 @@ def _beam_loop(
     done = decided(state)  # [b]
     logits, extra = next_logits(step, token, alive_seq.reshape(b * k, seq_len), extra)
     # 2k candidates hold at least k non-EOS ones: each parent ends once at most.
+    logits = logits.reshape(b, k, -1)
     top_logp, parent, top_token = best_extensions(
-      logits.reshape(b, k, -1), alive_logp, step >= last_step, 2 * k, eos_id=eos_id, pad_id=pad_id
+      logits, alive_logp, step >= last_step, 2 * k, eos_id=eos_id, pad_id=pad_id
     )
+    if forcing is not None:
+      # A forced sentence's beams each take the prefix's token (the cap waits for the prefix).
+      forced, forced_token = target_prefix.forced_tokens(step, *forcing)
+      forced_top = target_prefix.forced_extensions(
+        logits, alive_logp, forced_token, 2 * k, pad_id=pad_id
+      )
+      top_logp, parent, top_token = (
+        jnp.where(forced[:, None], f, x) for f, x in zip(forced_top, (top_logp, parent, top_token))
+      )
     top_seq = jax.lax.dynamic_update_slice_in_dim(
       _gather(alive_seq, parent), top_token[:, :, None], step, axis=2
     )
@@ -410,6 +443,8 @@ def beam_search(
   reorder_cache: ReorderFn | None = None,
   cache_lengths: Sequence[int] = (),
   extend_cache: ExtendFn | None = None,
+  prefix: jax.Array | None = None,
+  prefix_lengths: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """Beam search with an incremental cache and the GNMT length penalty.
 
@@ -464,6 +499,12 @@ def beam_search(
   length_penalty=0, and with alpha > 0 the best of those hypotheses under the
   GNMT penalty (CTranslate2 keeps the beam_size best by log-prob first).
 
+  prefix int32[batch_size, P], prefix_lengths int32[batch_size] (default P):
+  every beam of sentence i is extended by prefix[i, t] at the steps t <
+  prefix_lengths[i], so its hypotheses start with the prefix and their scores
+  include its log-probability (search.prefix). Keep prefix_lengths below
+  max_lengths: the cap only applies after the prefix.
+
   Returns (tokens int32[batch_size, beam_size, max_decode_len] in the module's
   convention, scores float32[batch_size, beam_size]), sorted best first; slots
   with no hypothesis at all (fewer than beam_size exist) have score -inf.
@@ -486,6 +527,8 @@ def beam_search(
     rule=rule,
     cache_lengths=_check_cache_lengths(cache_lengths, extend_cache, max_decode_len),
     extend_cache=extend_cache,
+    prefix=prefix,
+    prefix_lengths=prefix_lengths,
   )
 
 
@@ -501,13 +544,15 @@ def beam_search_uncached(
   alpha: float = 0.6,
   max_lengths: jax.Array | None = None,
   rule: str = 'exact',
+  prefix: jax.Array | None = None,
+  prefix_lengths: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """beam_search by full recomputation of each beam's prefix every step.
 
   logits_fn(target_input_ids int32[B, max_decode_len]) -> float32[B,
   max_decode_len, vocab] must be causal, as for greedy_search_uncached, and
   sees B = batch_size * beam_size batch-major rows. The reference the cached
-  path must match.
+  path must match. prefix, prefix_lengths: as for beam_search.
   """
   return _beam_loop(
     _uncached_next_logits(logits_fn, bos_id),
@@ -522,6 +567,8 @@ def beam_search_uncached(
     alpha=alpha,
     max_lengths=max_lengths,
     rule=rule,
+    prefix=prefix,
+    prefix_lengths=prefix_lengths,
   )
 
 

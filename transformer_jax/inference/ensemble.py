@@ -1,0 +1,248 @@
+"""Ensembles at decode time: several models sharing a vocabulary translate together, each step
+taking the log of the (weighted) mean of their probabilities (`search.ensemble`).
+
+What must agree: the vocabulary, byte for byte (the SHA-256 of each workdir's vocab.model, and
+of its target.spm where there is one), which fixes the vocabulary size and the BOS/EOS/PAD ids
+(`Tokenizer` refuses any other ids). What may differ: everything else of the architecture
+(depth, width, heads, dtype, ...): each member encodes the source with its own parameters and
+keeps its own cache. Members of different max_len translate within the smallest one: sources
+are truncated to it and outputs capped by it, so that no member reads a position it has no
+encoding for.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+from absl import logging
+
+from transformer_jax.common.errors import UserInputError, is_number
+from transformer_jax.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
+from transformer_jax.inference.decoding import _cache_lengths, _cached_step_fn, init_cache
+from transformer_jax.inference.translator import Translator
+from transformer_jax.model.cache import extend_cache, reorder_beams
+from transformer_jax.model.transformer import Transformer
+from transformer_jax.search import decode
+from transformer_jax.search.ensemble import (
+  ensemble_extend,
+  ensemble_reorder,
+  ensemble_step_fn,
+  normalised_weights,
+)
+from transformer_jax.workdir.layout import Workdir
+
+
+def _encode(models, params, src_ids):
+  return [
+    model.apply({'params': p}, src_ids, method=Transformer.encode)
+    for model, p in zip(models, params)
+  ]
+
+
+def ensemble_greedy_decode(
+  models: Sequence[Transformer],
+  params: Sequence,
+  src_ids: jax.Array,
+  *,
+  max_decode_len: int,
+  weights: Sequence[float] | None = None,
+) -> jax.Array:
+  """`decoding.greedy_decode` for an ensemble: member m is models[m] with params[m]; source
+  ids [b, s] -> output ids [b, max_decode_len]. Call under jit (`max_decode_len` static)."""
+  steps = [_cached_step_fn(model, p, src_ids) for model, p in zip(models, params)]
+  caches = tuple(
+    init_cache(model, p, encoded, src_ids, max_decode_len)
+    for model, p, encoded in zip(models, params, _encode(models, params, src_ids))
+  )
+  return decode.greedy_search(
+    ensemble_step_fn(steps, weights, pad_id=PAD_ID),
+    caches,
+    batch_size=src_ids.shape[0],
+    max_decode_len=max_decode_len,
+    bos_id=BOS_ID,
+    eos_id=EOS_ID,
+    pad_id=PAD_ID,
+  )
+
+
+def ensemble_beam_decode(
+  models: Sequence[Transformer],
+  params: Sequence,
+  src_ids: jax.Array,
+  *,
+  beam_size: int,
+  alpha: float,
+  max_decode_len: int,
+  max_lengths: jax.Array | None = None,
+  rule: str = 'exact',
+  weights: Sequence[float] | None = None,
+) -> tuple[jax.Array, jax.Array]:
+  """`decoding.beam_decode` (cached) for an ensemble: source ids [b, s] -> (ids [b, beam,
+  max_decode_len], scores [b, beam]), scores the mixture's log-probs over the GNMT penalty."""
+  cache_lengths = _cache_lengths(max_decode_len)
+  steps = [_cached_step_fn(model, p, src_ids) for model, p in zip(models, params)]
+  caches = tuple(
+    init_cache(model, p, encoded, src_ids, cache_lengths[0], beam_size)
+    for model, p, encoded in zip(models, params, _encode(models, params, src_ids))
+  )
+  return decode.beam_search(
+    ensemble_step_fn(steps, weights, pad_id=PAD_ID),
+    caches,
+    reorder_cache=ensemble_reorder([reorder_beams] * len(models)),
+    cache_lengths=cache_lengths if len(cache_lengths) > 1 else (),
+    extend_cache=ensemble_extend([extend_cache] * len(models)),
+    batch_size=src_ids.shape[0],
+    beam_size=beam_size,
+    max_decode_len=max_decode_len,
+    bos_id=BOS_ID,
+    eos_id=EOS_ID,
+    pad_id=PAD_ID,
+    alpha=alpha,
+    max_lengths=max_lengths,
+    rule=rule,
+  )
+
+
+def check_weights(weights, count: int) -> tuple[float, ...]:
+  """The weights normalised (`search.ensemble.normalised_weights`), or a one-line error."""
+  if weights is not None:
+    weights = list(weights)
+    if not all(is_number(w) for w in weights):
+      raise UserInputError(f'ensemble weights must be numbers, got {weights!r}')
+  try:
+    return normalised_weights(weights, count)
+  except ValueError as error:
+    raise UserInputError(str(error)) from None
+
+
+def _check_same_vocabulary(workdirs: Sequence[Workdir]) -> None:
+  """A one-line error naming both files where a member's vocabulary (or target vocabulary)
+  is not the first member's; read before any parameters are restored."""
+  first = workdirs[0]
+  for workdir in workdirs:
+    if not workdir.vocab_file.exists():
+      raise UserInputError(f'{workdir.vocab_file}: no vocabulary (is {workdir} a workdir?)')
+  expected = first.vocabulary_identity()
+  for workdir in workdirs[1:]:
+    found = workdir.vocabulary_identity()
+    for key, files in (
+      ('vocab_sha256', (first.vocab_file, workdir.vocab_file)),
+      ('target_vocab_sha256', (first.target_vocab_file, workdir.target_vocab_file)),
+    ):
+      if expected.get(key) != found.get(key):
+        hashes = [str(h)[:12] if h else 'absent' for h in (expected.get(key), found.get(key))]
+        raise UserInputError(
+          f'ensemble members must share their vocabulary: {files[0]} (sha256 {hashes[0]}) '
+          f'differs from {files[1]} (sha256 {hashes[1]})'
+        )
+
+
+class _EnsembleBatches(Translator):
+  """Translator.translate's tokenising, length bucketing, batching and detokenising, with the
+  ensemble's searches in place of one model's: translate runs `self._greedy` / `self._beam`
+  on `self.params`, here the members' parameters, a tuple."""
+
+  def __init__(self, translators: Sequence[Translator], weights, batch_size: int):
+    first = translators[0]
+    max_len = min(t.model_config.max_len for t in translators)
+    # Only max_len of this config is read (truncation and the decode cap).
+    super().__init__(
+      first.model_config.replace(max_len=max_len),
+      tuple(t.params for t in translators),
+      first.tokenizer,
+      batch_size,
+      first.target_tokenizer,
+    )
+    models = tuple(t.model for t in translators)
+    self._greedy = jax.jit(
+      lambda params, src, max_decode_len: ensemble_greedy_decode(
+        models, params, src, max_decode_len=max_decode_len, weights=weights
+      ),
+      static_argnums=(2,),
+    )
+    self._beam = jax.jit(
+      lambda params, src, max_lengths, beam_size, alpha, max_decode_len, rule: ensemble_beam_decode(
+        models,
+        params,
+        src,
+        beam_size=beam_size,
+        alpha=alpha,
+        max_decode_len=max_decode_len,
+        max_lengths=max_lengths,
+        rule=rule,
+        weights=weights,
+      )[0][:, 0],
+      static_argnums=(3, 4, 5, 6),
+    )
+
+
+class Ensemble:
+  """Several `Translator`s sharing a vocabulary, translating as one: `.translate(list_of_str)
+  -> list_of_str` (beam search, or greedy with beam_size=1), as `Translator.translate`.
+
+  weights: one positive number per member (normalised; None: uniform)."""
+
+  def __init__(
+    self, translators: Sequence[Translator], weights: Sequence[float] | None = None, batch_size=64
+  ):
+    translators = tuple(translators)
+    if not translators:
+      raise UserInputError('an ensemble needs at least one member')
+    self.weights = check_weights(weights, len(translators))
+    first = translators[0]
+    for other in translators[1:]:
+      for name in ('tokenizer', 'target_tokenizer'):
+        ours, theirs = getattr(first, name), getattr(other, name)
+        if ours.model_bytes != theirs.model_bytes:
+          raise UserInputError(
+            f'ensemble members must share their vocabulary: {ours.path} differs from {theirs.path}'
+          )
+    max_lens = sorted({t.model_config.max_len for t in translators})
+    if len(max_lens) > 1:
+      logging.info('ensemble members have max_len %s: translating within %d', max_lens, max_lens[0])
+    self.translators = translators
+    self._batches = _EnsembleBatches(translators, self.weights, batch_size)
+
+  @classmethod
+  def from_checkpoints(
+    cls,
+    members: Sequence[tuple[str, int | str | None] | str],
+    weights: Sequence[float] | None = None,
+    batch_size: int = 64,
+  ) -> 'Ensemble':
+    """Loads each (workdir, checkpoint) pair (`Translator.from_checkpoint`; a bare workdir:
+    its default checkpoint). The vocabularies and weights are checked first, before any
+    parameters are read."""
+    members = [(member, None) if isinstance(member, str) else tuple(member) for member in members]
+    if not members:
+      raise UserInputError('an ensemble needs at least one member')
+    check_weights(weights, len(members))
+    _check_same_vocabulary([Workdir(workdir) for workdir, _ in members])
+    translators = [
+      Translator.from_checkpoint(workdir, checkpoint, batch_size) for workdir, checkpoint in members
+    ]
+    return cls(translators, weights, batch_size)
+
+  @property
+  def tokenizer(self) -> Tokenizer:
+    return self.translators[0].tokenizer
+
+  @property
+  def max_len(self) -> int:
+    return self._batches.model_config.max_len
+
+  def translate(
+    self,
+    sentences: Sequence[str],
+    beam_size: int = 4,
+    alpha: float = 0.6,
+    *,
+    beam_rule: str = 'exact',
+    progress: bool = False,
+  ) -> list[str]:
+    """One translation per input sentence, in order: `Translator.translate` with the
+    ensemble's searches (same truncation, caps, batching and errors)."""
+    return self._batches.translate(
+      sentences, beam_size, alpha, beam_rule=beam_rule, progress=progress
+    )
