@@ -35,6 +35,7 @@ COMMANDS = {
   'transformer_jax.export',
   'transformer_jax.serve',
   'transformer_jax.import_marian',
+  'transformer_jax.score',
 }
 # Modules allowed to define or parse flags besides the commands.
 FLAG_MODULES = {'transformer_jax.cli'}

@@ -224,6 +224,20 @@ class Translator:
     bar.close()
     return outputs
 
+  def score(
+    self, sources: Sequence[str], targets: Sequence[str], *, per_token: bool = False
+  ) -> list[dict]:
+    """Each (source, target) pair's log-probability under the model (forced decoding: one
+    forward pass per batch, no search), in input order: {'log_prob': sum, 'tokens': n (the
+    target's EOS counted), 'mean': sum / n, 'token_log_probs': [...] with per_token}.
+
+    As CTranslate2's `score_batch` scores: the EOS is scored, PAD is never a prediction. A
+    target over max_len tokens (EOS counted) is a UserInputError. See `inference.scoring`.
+    """
+    from transformer_jax.inference import scoring  # It imports this module.
+
+    return scoring.score_pairs(self, sources, targets, per_token=per_token)
+
   def attention(
     self,
     source: str,
@@ -267,6 +281,51 @@ class Translator:
       decoder_self=layers_heads('decoder_layers', 'self_attention', t, t),
       cross=layers_heads('decoder_layers', 'cross_attention', t, s),
     )
+
+  def align(
+    self,
+    sources: Sequence[str],
+    targets: Sequence[str] | None = None,
+    *,
+    layer: int | None = None,
+    words: bool = True,
+    beam_size: int = 4,
+    alpha: float = 0.6,
+  ) -> list[tuple[str, str]]:
+    """(translation, Pharaoh alignment 'i-j ...') per source, in order: each target piece's most
+    attended source piece (`inference.alignments`: the last decoder layer by default,
+    heads averaged, '</s>' on neither side), merged to whitespace words unless `words=False`.
+
+    Without `targets` the sources are translated first (`translate`, beam_size and alpha); with
+    them, the given targets are aligned (and returned as the translations). A blank source or
+    target aligns to ''.
+    """
+    from transformer_jax.inference import alignments  # It imports this module.
+
+    if isinstance(sources, (str, bytes)) or isinstance(targets, (str, bytes)):
+      raise TypeError('Translator.align takes lists of sentences; pass [sentence]')
+    alignments.check_layer(
+      alignments.default_layer(self.model_config.num_decoder_layers) if layer is None else layer,
+      self.model_config.num_decoder_layers,
+    )
+    if targets is None:
+      targets = self.translate(sources, beam_size=beam_size, alpha=alpha)
+    elif len(targets) != len(sources):
+      raise UserInputError(f'Translator.align: {len(sources)} sources but {len(targets)} targets')
+    max_len = self.model_config.max_len
+    aligned = []
+    for source, target in zip(sources, targets):
+      if not source.strip() or not target.strip():
+        aligned.append((target, ''))
+        continue
+      # Both sides padded to one power-of-two bucket: few shapes, few compilations.
+      longest = max(len(self.tokenizer.encode(source)), len(self.target_tokenizer.encode(target)))
+      maps = self.attention(source, target, pad_to=source_bucket(longest + 1, max_len))
+      pairs = alignments.align(maps, layer)
+      if words:
+        pairs = alignments.merge_to_words(pairs, maps.source_tokens, maps.target_tokens)
+      aligned.append((target, alignments.pharaoh(pairs)))
+    return aligned
 
   @functools.cached_property
   def _attention_apply(self):

@@ -1,0 +1,251 @@
+"""Scoring given translations (forced decoding): each (source, target) pair's log-probability
+under the model, from one teacher-forced forward pass per batch, no search loop.
+
+Conventions (those of our searches and of CTranslate2's `score_batch`):
+- the target's EOS is scored and counted: a pair's `tokens` is its target pieces + 1, and its
+  `log_prob` is log P(target pieces, EOS | source), the quantity beam search ranks (at alpha 0
+  its scores are exactly these sums);
+- PAD is no prediction: log-probs are normalised over the vocabulary without PAD, as the
+  searches do (`search.candidates.mask_pad`) and as the CTranslate2 export does (its PAD logit
+  bias). The training loss normalises over the whole vocabulary; `target_log_probs` with
+  `exclude_pad=False` gives its log-probs (its mean NLL is the eval loss at label smoothing 0).
+  For a trained model PAD's probability is negligible and the two agree closely.
+
+`score_pairs` (the `Translator.score` method) sorts pairs by length into batches as
+`Translator.translate` does; `score_files` is the `score` command's work.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import IO, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+
+from transformer_jax.common import paths, text_io
+from transformer_jax.common.errors import UserInputError
+from transformer_jax.common.progress import Progress
+from transformer_jax.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
+from transformer_jax.inference.decoding import source_bucket
+from transformer_jax.inference.translator import Translator, check_decoding_options
+from transformer_jax.model.config import TransformerConfig
+from transformer_jax.model.transformer import Transformer
+from transformer_jax.search.candidates import mask_pad
+from transformer_jax.workdir.layout import Workdir
+
+
+def target_log_probs(
+  model: Transformer, params, src_ids: jax.Array, tgt_ids: jax.Array, *, exclude_pad: bool = True
+) -> jax.Array:
+  """log P of each target token given the source and the tokens before it: float32 [b, t].
+
+  src_ids [b, s]: source pieces + EOS, then PAD; tgt_ids [b, t]: target pieces + EOS, then
+  PAD. Teacher forcing: the decoder reads BOS + target and predicts target + EOS, in one
+  forward pass. PAD positions get 0. `exclude_pad`: see the module docstring.
+  """
+  decoder_inputs = jnp.concatenate([jnp.full_like(tgt_ids[:, :1], BOS_ID), tgt_ids[:, :-1]], 1)
+  # Padding reads as padding (the shifted EOS would do too: causal attention never reaches it).
+  decoder_inputs = jnp.where(tgt_ids == PAD_ID, PAD_ID, decoder_inputs)
+  logits = model.apply({'params': params}, src_ids, decoder_inputs)  # [b, t, v] float32
+  if exclude_pad:
+    logits = mask_pad(logits, PAD_ID)
+  log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  picked = jnp.take_along_axis(log_probs, tgt_ids[..., None], axis=-1)[..., 0]
+  return jnp.where(tgt_ids == PAD_ID, 0.0, picked)
+
+
+# The model is a static argument (a flax Module is a hashable dataclass of its config): one
+# compiled program per model config and batch shape.
+jitted_target_log_probs = jax.jit(target_log_probs, static_argnames=('model', 'exclude_pad'))
+
+
+def encode_pairs(
+  sources: Sequence[str],
+  targets: Sequence[str],
+  tokenizer: Tokenizer,
+  target_tokenizer: Tokenizer,
+  max_len: int,
+  *,
+  source_name: Callable[[int], str] = lambda index: f'source {index}',
+  target_name: Callable[[int], str] = lambda index: f'target {index}',
+) -> list[tuple[list[int], list[int]]]:
+  """(source ids + EOS, target ids + EOS) per pair, or a one-line UserInputError naming the
+  pair (`source_name(index)`, `target_name(index)`: a list index, a file's line).
+
+  A target longer than max_len (EOS counted) is refused: cutting it would score another
+  sentence. A longer source is cut to max_len with a warning, as `Translator.translate` does
+  (and as the CTranslate2 export's max_input_length does).
+  """
+  for name, texts in (('sources', sources), ('targets', targets)):
+    if isinstance(texts, (str, bytes)):
+      raise TypeError(f'scoring takes lists of sentences; {name} is a single str; pass [it]')
+  if len(sources) != len(targets):
+    raise UserInputError(
+      f'{len(sources)} sources but {len(targets)} targets: scoring takes one target per source'
+    )
+  pairs = []
+  for index, (source, target) in enumerate(zip(sources, targets)):
+    for text, name in ((source, source_name), (target, target_name)):
+      if not isinstance(text, str):
+        raise UserInputError(f'{name(index)} is {type(text).__name__}, not str')
+    source_ids = tokenizer.encode(source)
+    if len(source_ids) + 1 > max_len:
+      logging.warning(
+        '%s has %d tokens; truncated to the model maximum %d',
+        source_name(index),
+        len(source_ids) + 1,
+        max_len,
+      )
+      source_ids = source_ids[: max_len - 1]
+    target_ids = target_tokenizer.encode(target)
+    if len(target_ids) + 1 > max_len:
+      raise UserInputError(
+        f'{target_name(index)} has {len(target_ids) + 1} tokens (EOS counted), more than the '
+        f"model's max_len {max_len}: it cannot be scored whole"
+      )
+    pairs.append((source_ids + [EOS_ID], target_ids + [EOS_ID]))
+  return pairs
+
+
+def score_encoded(
+  translator: Translator,
+  pairs: Sequence[tuple[list[int], list[int]]],
+  *,
+  per_token: bool = False,
+  progress: bool = False,
+) -> list[dict]:
+  """Scores of (source ids + EOS, target ids + EOS) pairs (`encode_pairs`), in their order.
+
+  Pairs are sorted by source length bucket, then target length, into batches of the
+  translator's batch_size rows, each padded to power-of-two lengths (`source_bucket`) as
+  `Translator.translate` pads: few shapes, few compiles, little padding.
+  """
+  max_len = translator.model_config.max_len
+  batch_size = translator.batch_size
+  order = sorted(
+    range(len(pairs)),
+    key=lambda i: (source_bucket(len(pairs[i][0]), max_len), len(pairs[i][1]), len(pairs[i][0])),
+  )
+  results: list[dict | None] = [None] * len(pairs)
+  bar = Progress(
+    total=len(pairs), unit='pairs', description='scoring', enabled=None if progress else False
+  )
+  for start in range(0, len(order), batch_size):
+    rows = order[start : start + batch_size]
+    source_length = source_bucket(max(len(pairs[i][0]) for i in rows), max_len)
+    target_length = source_bucket(max(len(pairs[i][1]) for i in rows), max_len)
+    src = np.full((batch_size, source_length), PAD_ID, np.int32)
+    tgt = np.full((batch_size, target_length), PAD_ID, np.int32)
+    for row, index in enumerate(rows):
+      source_ids, target_ids = pairs[index]
+      src[row, : len(source_ids)] = source_ids
+      tgt[row, : len(target_ids)] = target_ids
+    log_probs = np.asarray(
+      jitted_target_log_probs(translator.model, translator.params, src, tgt), np.float32
+    )
+    for row, index in enumerate(rows):
+      count = len(pairs[index][1])
+      values = log_probs[row, :count]
+      total = float(np.sum(values, dtype=np.float64))
+      result = {'log_prob': total, 'tokens': count, 'mean': total / count}
+      if per_token:
+        result['token_log_probs'] = [float(v) for v in values]
+      results[index] = result
+    bar.update(len(rows))
+  bar.close()
+  return results
+
+
+def score_pairs(
+  translator: Translator,
+  sources: Sequence[str],
+  targets: Sequence[str],
+  *,
+  per_token: bool = False,
+  progress: bool = False,
+) -> list[dict]:
+  """Each pair's log-probability under the translator's model, in input order, as a dict:
+  {'log_prob': sum over the target's tokens and its EOS, 'tokens': their count (EOS counted),
+  'mean': log_prob / tokens, and with per_token 'token_log_probs': the per-token values}.
+
+  Targets are segmented with the translator's target tokenizer. Conventions (EOS scored, PAD
+  excluded): the module docstring. `progress`: a progress bar (for files).
+  """
+  pairs = encode_pairs(
+    sources,
+    targets,
+    translator.tokenizer,
+    translator.target_tokenizer,
+    translator.model_config.max_len,
+  )
+  return score_encoded(translator, pairs, per_token=per_token, progress=progress)
+
+
+def format_score(result: dict) -> str:
+  """One output line: `sum<TAB>mean<TAB>tokens`, and the per-token values space-separated as a
+  4th column when present. Tab-separated, fixed columns: `cut -f2`, `paste` beside the
+  sentences, a spreadsheet or pandas read it without a parser."""
+  columns = [f'{result["log_prob"]:.6f}', f'{result["mean"]:.6f}', str(result['tokens'])]
+  if 'token_log_probs' in result:
+    columns.append(' '.join(f'{value:.6f}' for value in result['token_log_probs']))
+  return '\t'.join(columns)
+
+
+def score_files(
+  workdir: str,
+  src_path: str,
+  tgt_path: str,
+  *,
+  checkpoint: int | str | None = None,
+  batch_size: int = 64,
+  output_path: str | None = None,
+  per_token: bool = False,
+  stdout: IO[str] | None = None,
+) -> None:
+  """The `score` command: line N of `output_path` (or stdout) scores line N of `src_path`
+  against line N of `tgt_path` (`format_score`).
+
+  Every check a user's input can fail (unreadable or unwritable files, outputs over inputs,
+  different line counts, empty files, a target over the model's max_len) runs before the
+  parameters are restored; the output is written once, complete, or not at all.
+  """
+  check_decoding_options(batch_size=batch_size)
+  text_io.check_readable_file(src_path, '--src')
+  text_io.check_readable_file(tgt_path, '--tgt')
+  if output_path is not None:
+    text_io.check_writable_output(output_path, '--output')
+    paths.check_outputs_apart(
+      {'--output': output_path}, {'--src': src_path, '--tgt': tgt_path}, {'--workdir': workdir}
+    )
+  sources = text_io.read_lines(src_path, '--src')
+  targets = text_io.read_lines(tgt_path, '--tgt')
+  for flag, path, lines in (('--src', src_path, sources), ('--tgt', tgt_path, targets)):
+    if not lines:
+      raise UserInputError(f'{flag}={path}: the file is empty; nothing to score')
+  if len(sources) != len(targets):
+    raise UserInputError(
+      f'--src={src_path} has {len(sources)} lines but --tgt={tgt_path} has {len(targets)}: '
+      'line N of each is one pair'
+    )
+  # The vocabularies and max_len (small files) before the parameters: a target too long is
+  # found before the checkpoint is read.
+  layout = Workdir(workdir)
+  max_len = TransformerConfig.from_dict(layout.read_run_config()['model']).max_len
+  tokenizer = Tokenizer.load(layout.vocab_file)
+  target_file = layout.target_vocab_file
+  target_tokenizer = Tokenizer.load(target_file) if target_file.exists() else tokenizer
+  pairs = encode_pairs(
+    sources,
+    targets,
+    tokenizer,
+    target_tokenizer,
+    max_len,
+    source_name=lambda index: f'--src={src_path} line {index + 1}',
+    target_name=lambda index: f'--tgt={tgt_path} line {index + 1}',
+  )
+  translator = Translator.from_checkpoint(workdir, checkpoint, batch_size)
+  results = score_encoded(translator, pairs, per_token=per_token, progress=True)
+  text_io.write_lines([format_score(r) for r in results], output_path, stdout or sys.stdout)
