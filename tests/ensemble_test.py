@@ -174,7 +174,7 @@ def test_two_checkpoints_decode_greedily_the_argmax_of_their_mean_probabilities(
   @jax.jit
   def first_step(params, src):
     step = ensemble.ensemble_step_fn(
-      [inference_ensemble._cached_step_fn(m, p, src) for m, p in zip(models, params)],
+      [inference_ensemble.cached_step_fn(m, p, src) for m, p in zip(models, params)],
       pad_id=PAD_ID,
     )
     caches = tuple(

@@ -41,7 +41,7 @@ def init_cache(
 _FIRST_CACHE_LENGTH = 8
 
 
-def _cache_lengths(max_decode_len) -> tuple:
+def beam_cache_lengths(max_decode_len) -> tuple:
   """Cached beam search's cache lengths, each a loop of its own (`decode.beam_search`'s
   cache_lengths): 8, 16, 32, ... below max_decode_len, then max_decode_len, which replaces
   the last power of two if that is within 25% of it (64 for 66: a loop compiled for 2 steps).
@@ -57,7 +57,7 @@ def _cache_lengths(max_decode_len) -> tuple:
   return (*lengths, max_decode_len)
 
 
-def _cached_step_fn(model: Transformer, params, src_ids: jax.Array) -> decode.StepFn:
+def cached_step_fn(model: Transformer, params, src_ids: jax.Array) -> decode.StepFn:
   """The searches' step: tokens [rows, 1] and the cache -> (logits [rows, v], new cache), for
   rows = b sentences (src_ids [b, s]) x the cache's beams."""
   params = unstack_decoder_layers(params)  # Once, outside the search loop.
@@ -98,9 +98,9 @@ def greedy_decode(
   forcing = dict(prefix=prefix, prefix_lengths=prefix_lengths)
   if use_cache:
     # One cache length: greedy's cache is beam_size times smaller than beam search's, and
-    # growing it (`_cache_lengths`) measured no faster, for one more compiled loop per length.
+    # growing it (`beam_cache_lengths`) measured no faster, for one more compiled loop per length.
     return decode.greedy_search(
-      _cached_step_fn(model, params, src_ids),
+      cached_step_fn(model, params, src_ids),
       init_cache(model, params, encoded, src_ids, max_decode_len),
       batch_size=batch_size,
       max_decode_len=max_decode_len,
@@ -164,11 +164,11 @@ def beam_decode(
     prefix_lengths=prefix_lengths,
   )
   if use_cache:
-    cache_lengths = _cache_lengths(max_decode_len)
+    cache_lengths = beam_cache_lengths(max_decode_len)
     # Made for batch * beam rows; its keys/values are never gathered, only its beam table.
     cache = init_cache(model, params, encoded, src_ids, cache_lengths[0], beam_size)
     return decode.beam_search(
-      _cached_step_fn(model, params, src_ids),
+      cached_step_fn(model, params, src_ids),
       cache,
       reorder_cache=reorder_beams,
       cache_lengths=cache_lengths if len(cache_lengths) > 1 else (),
@@ -220,7 +220,7 @@ def sample_decode(
   batch_size = src_ids.shape[0]
   encoded = model.apply({'params': params}, src_ids, method=Transformer.encode)
   return sampling.sample_search(
-    _cached_step_fn(model, params, src_ids),
+    cached_step_fn(model, params, src_ids),
     init_cache(model, params, encoded, src_ids, max_decode_len),
     batch_size=batch_size,
     max_decode_len=max_decode_len,

@@ -19,7 +19,7 @@ from absl import logging
 
 from transformer_jax.common.errors import UserInputError, is_number
 from transformer_jax.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
-from transformer_jax.inference.decoding import _cache_lengths, _cached_step_fn, init_cache
+from transformer_jax.inference.decoding import beam_cache_lengths, cached_step_fn, init_cache
 from transformer_jax.inference.translator import Translator
 from transformer_jax.model.cache import extend_cache, reorder_beams
 from transformer_jax.model.transformer import Transformer
@@ -50,7 +50,7 @@ def ensemble_greedy_decode(
 ) -> jax.Array:
   """`decoding.greedy_decode` for an ensemble: member m is models[m] with params[m]; source
   ids [b, s] -> output ids [b, max_decode_len]. Call under jit (`max_decode_len` static)."""
-  steps = [_cached_step_fn(model, p, src_ids) for model, p in zip(models, params)]
+  steps = [cached_step_fn(model, p, src_ids) for model, p in zip(models, params)]
   caches = tuple(
     init_cache(model, p, encoded, src_ids, max_decode_len)
     for model, p, encoded in zip(models, params, _encode(models, params, src_ids))
@@ -80,8 +80,8 @@ def ensemble_beam_decode(
 ) -> tuple[jax.Array, jax.Array]:
   """`decoding.beam_decode` (cached) for an ensemble: source ids [b, s] -> (ids [b, beam,
   max_decode_len], scores [b, beam]), scores the mixture's log-probs over the GNMT penalty."""
-  cache_lengths = _cache_lengths(max_decode_len)
-  steps = [_cached_step_fn(model, p, src_ids) for model, p in zip(models, params)]
+  cache_lengths = beam_cache_lengths(max_decode_len)
+  steps = [cached_step_fn(model, p, src_ids) for model, p in zip(models, params)]
   caches = tuple(
     init_cache(model, p, encoded, src_ids, cache_lengths[0], beam_size)
     for model, p, encoded in zip(models, params, _encode(models, params, src_ids))
