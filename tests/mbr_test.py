@@ -6,7 +6,7 @@ import pytest
 import sacrebleu
 
 from transformer_jax.common.errors import UserInputError
-from transformer_jax.evaluation import mbr
+from transformer_jax.inference import mbr
 
 CONSENSUS = 'a man in a blue shirt rides a bike down the street'
 VARIANTS = [

@@ -1,17 +1,20 @@
 """The model bound to the search: `greedy_decode` / `beam_decode` / `sample_decode` give
 `search.decode` and `search.sampling` (which never import the model) a `tokens -> logits` step
 over the model's key/value cache, and the source length buckets every decoding caller pads to
-(`source_bucket`). Each takes an optional target prefix (`search.prefix`)."""
+(`source_bucket`). Each takes an optional target prefix (`search.prefix`). Teacher-forced
+log-probabilities of given targets (`target_log_probs`: scoring, greedy's scores) too."""
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from transformer_jax.common.errors import UserInputError
 from transformer_jax.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
 from transformer_jax.model.cache import extend_cache, reorder_beams, unstack_decoder_layers
 from transformer_jax.model.transformer import Transformer
 from transformer_jax.search import decode, sampling
+from transformer_jax.search.candidates import mask_pad
 
 
 def init_cache(
@@ -235,6 +238,34 @@ def sample_decode(
     prefix=prefix,
     prefix_lengths=prefix_lengths,
   )
+
+
+def target_log_probs(
+  model: Transformer, params, src_ids: jax.Array, tgt_ids: jax.Array, *, exclude_pad: bool = True
+) -> jax.Array:
+  """log P of each target token given the source and the tokens before it: float32 [b, t].
+
+  src_ids [b, s]: source pieces + EOS, then PAD; tgt_ids [b, t]: target pieces + EOS, then
+  PAD. Teacher forcing: the decoder reads BOS + target and predicts target + EOS, in one
+  forward pass. PAD positions get 0. `exclude_pad`: see the module docstring.
+  """
+  logits = model.apply({'params': params}, src_ids, teacher_forcing_inputs(tgt_ids))  # [b, t, v]
+  if exclude_pad:
+    logits = mask_pad(logits, PAD_ID)
+  return picked_log_probs(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), tgt_ids)
+
+
+def teacher_forcing_inputs(tgt_ids: jax.Array) -> jax.Array:
+  """The decoder's inputs [b, t] that predict tgt_ids [b, t]: BOS, then tgt_ids shifted right."""
+  decoder_inputs = jnp.concatenate([jnp.full_like(tgt_ids[:, :1], BOS_ID), tgt_ids[:, :-1]], 1)
+  # Padding reads as padding (the shifted EOS would do too: causal attention never reaches it).
+  return jnp.where(tgt_ids == PAD_ID, PAD_ID, decoder_inputs)
+
+
+def picked_log_probs(log_probs: jax.Array, tgt_ids: jax.Array) -> jax.Array:
+  """log_probs [b, t, v] at tgt_ids [b, t] -> [b, t], 0 at PAD."""
+  picked = jnp.take_along_axis(log_probs, tgt_ids[..., None], axis=-1)[..., 0]
+  return jnp.where(tgt_ids == PAD_ID, 0.0, picked)
 
 
 # Source lengths are padded to powers of two from this one (source_bucket).

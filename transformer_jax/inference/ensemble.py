@@ -19,12 +19,24 @@ from absl import logging
 
 from transformer_jax.common.errors import UserInputError, is_number
 from transformer_jax.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
-from transformer_jax.inference.decoding import beam_cache_lengths, cached_step_fn, init_cache
-from transformer_jax.inference.translator import Translator
+from transformer_jax.inference.decoding import (
+  beam_cache_lengths,
+  cached_step_fn,
+  init_cache,
+  picked_log_probs,
+  teacher_forcing_inputs,
+)
+from transformer_jax.inference.translator import (
+  BEAM_STATIC,
+  SAMPLE_STATIC,
+  Translator,
+  sampling_filters,
+)
 from transformer_jax.model.cache import extend_cache, reorder_beams
 from transformer_jax.model.transformer import Transformer
-from transformer_jax.search import decode
+from transformer_jax.search import decode, sampling
 from transformer_jax.search.ensemble import (
+  combine_log_probs,
   ensemble_extend,
   ensemble_reorder,
   ensemble_step_fn,
@@ -47,6 +59,8 @@ def ensemble_greedy_decode(
   *,
   max_decode_len: int,
   weights: Sequence[float] | None = None,
+  prefix: jax.Array | None = None,
+  prefix_lengths: jax.Array | None = None,
 ) -> jax.Array:
   """`decoding.greedy_decode` for an ensemble: member m is models[m] with params[m]; source
   ids [b, s] -> output ids [b, max_decode_len]. Call under jit (`max_decode_len` static)."""
@@ -63,6 +77,8 @@ def ensemble_greedy_decode(
     bos_id=BOS_ID,
     eos_id=EOS_ID,
     pad_id=PAD_ID,
+    prefix=prefix,
+    prefix_lengths=prefix_lengths,
   )
 
 
@@ -77,6 +93,8 @@ def ensemble_beam_decode(
   max_lengths: jax.Array | None = None,
   rule: str = 'exact',
   weights: Sequence[float] | None = None,
+  prefix: jax.Array | None = None,
+  prefix_lengths: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """`decoding.beam_decode` (cached) for an ensemble: source ids [b, s] -> (ids [b, beam,
   max_decode_len], scores [b, beam]), scores the mixture's log-probs over the GNMT penalty."""
@@ -101,7 +119,62 @@ def ensemble_beam_decode(
     alpha=alpha,
     max_lengths=max_lengths,
     rule=rule,
+    prefix=prefix,
+    prefix_lengths=prefix_lengths,
   )
+
+
+def ensemble_sample_decode(
+  models: Sequence[Transformer],
+  params: Sequence,
+  src_ids: jax.Array,
+  *,
+  keys,
+  temperature=1.0,
+  top_k: int = 0,
+  top_p=1.0,
+  max_decode_len: int,
+  max_lengths: jax.Array | None = None,
+  weights: Sequence[float] | None = None,
+  prefix: jax.Array | None = None,
+  prefix_lengths: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+  """`decoding.sample_decode` for an ensemble: draws from the mixture's distribution (its
+  log-probs stand for the logits that the temperature and filters transform); log_probs are
+  the mixture's. Source ids [b, s] -> (ids [b, max_decode_len], log_probs [b])."""
+  steps = [cached_step_fn(model, p, src_ids) for model, p in zip(models, params)]
+  caches = tuple(
+    init_cache(model, p, encoded, src_ids, max_decode_len)
+    for model, p, encoded in zip(models, params, _encode(models, params, src_ids))
+  )
+  return sampling.sample_search(
+    ensemble_step_fn(steps, weights, pad_id=PAD_ID),
+    caches,
+    batch_size=src_ids.shape[0],
+    max_decode_len=max_decode_len,
+    bos_id=BOS_ID,
+    eos_id=EOS_ID,
+    pad_id=PAD_ID,
+    keys=keys,
+    temperature=temperature,
+    top_k=top_k,
+    top_p=top_p,
+    max_lengths=max_lengths,
+    prefix=prefix,
+    prefix_lengths=prefix_lengths,
+  )
+
+
+def ensemble_target_log_probs(
+  models: Sequence[Transformer], params: Sequence, src_ids, tgt_ids, weights=None
+) -> jax.Array:
+  """`decoding.target_log_probs` for an ensemble: each target token's log-probability under
+  the mixture log(sum_m w_m p_m), PAD excluded from every member's softmax: float32 [b, t]."""
+  decoder_inputs = teacher_forcing_inputs(tgt_ids)
+  logits = [
+    model.apply({'params': p}, src_ids, decoder_inputs) for model, p in zip(models, params)
+  ]  # each [b, t, v]
+  return picked_log_probs(combine_log_probs(logits, weights, pad_id=PAD_ID), tgt_ids)
 
 
 def check_weights(weights, count: int) -> tuple[float, ...]:
@@ -139,13 +212,15 @@ def _check_same_vocabulary(workdirs: Sequence[Workdir]) -> None:
 
 
 class _EnsembleBatches(Translator):
-  """Translator.translate's tokenising, length bucketing, batching and detokenising, with the
-  ensemble's searches in place of one model's: translate runs `self._greedy` / `self._beam`
-  on `self.params`, here the members' parameters, a tuple."""
+  """Translator's tokenising, length bucketing, batching, ranking and detokenising, with the
+  ensemble's searches in place of one model's: `_build_programs` builds them over
+  `self.params`, here the members' parameters, a tuple."""
 
   def __init__(self, translators: Sequence[Translator], weights, batch_size: int):
     first = translators[0]
     max_len = min(t.model_config.max_len for t in translators)
+    self._models = tuple(t.model for t in translators)
+    self._weights = weights
     # Only max_len of this config is read (truncation and the decode cap).
     super().__init__(
       first.model_config.replace(max_len=max_len),
@@ -154,26 +229,54 @@ class _EnsembleBatches(Translator):
       batch_size,
       first.target_tokenizer,
     )
-    models = tuple(t.model for t in translators)
+
+  def _build_programs(self) -> None:
+    models, weights = self._models, self._weights
     self._greedy = jax.jit(
-      lambda params, src, max_decode_len: ensemble_greedy_decode(
-        models, params, src, max_decode_len=max_decode_len, weights=weights
-      ),
-      static_argnums=(2,),
-    )
-    self._beam = jax.jit(
-      lambda params, src, max_lengths, beam_size, alpha, max_decode_len, rule: ensemble_beam_decode(
+      lambda params, src, prefix, prefix_lengths, *, max_decode_len: ensemble_greedy_decode(
         models,
         params,
         src,
-        beam_size=beam_size,
-        alpha=alpha,
         max_decode_len=max_decode_len,
-        max_lengths=max_lengths,
-        rule=rule,
         weights=weights,
-      )[0][:, 0],
-      static_argnums=(3, 4, 5, 6),
+        prefix=prefix,
+        prefix_lengths=prefix_lengths,
+      ),
+      static_argnames=('max_decode_len',),
+    )
+    self._beam = jax.jit(
+      lambda params, src, max_lengths, prefix, prefix_lengths, **static: ensemble_beam_decode(
+        models,
+        params,
+        src,
+        max_lengths=max_lengths,
+        weights=weights,
+        prefix=prefix,
+        prefix_lengths=prefix_lengths,
+        **static,
+      ),
+      static_argnames=BEAM_STATIC,
+    )
+    self._sample = jax.jit(
+      lambda params, src, keys, max_lengths, prefix, prefix_lengths, temperature, top_p, **static: (
+        ensemble_sample_decode(
+          models,
+          params,
+          src,
+          keys=keys,
+          max_lengths=max_lengths,
+          weights=weights,
+          prefix=prefix,
+          prefix_lengths=prefix_lengths,
+          top_k=static['top_k'],
+          max_decode_len=static['max_decode_len'],
+          **sampling_filters(temperature, top_p, static['tempered'], static['nucleus']),
+        )
+      ),
+      static_argnames=SAMPLE_STATIC,
+    )
+    self._token_log_probs = jax.jit(
+      lambda params, src, tgt: ensemble_target_log_probs(models, params, src, tgt, weights)
     )
 
 
@@ -232,17 +335,20 @@ class Ensemble:
   def max_len(self) -> int:
     return self._batches.model_config.max_len
 
-  def translate(
-    self,
-    sentences: Sequence[str],
-    beam_size: int = 4,
-    alpha: float = 0.6,
-    *,
-    beam_rule: str = 'exact',
-    progress: bool = False,
-  ) -> list[str]:
-    """One translation per input sentence, in order: `Translator.translate` with the
-    ensemble's searches (same truncation, caps, batching and errors)."""
-    return self._batches.translate(
-      sentences, beam_size, alpha, beam_rule=beam_rule, progress=progress
-    )
+  @property
+  def batch_size(self) -> int:
+    return self._batches.batch_size
+
+  def translate(self, sentences: Sequence[str], beam_size: int = 4, alpha: float = 0.6, **kwargs):
+    """One translation per input sentence, in order: `Translator.translate` (the same options,
+    truncation, caps, batching and errors) with the ensemble's searches."""
+    return self._batches.translate(sentences, beam_size, alpha, **kwargs)
+
+  def hypotheses(self, sentences: Sequence[str], beam_size: int = 4, alpha: float = 0.6, **kwargs):
+    """`Translator.hypotheses` with the ensemble's searches; log_prob and score are the
+    mixture's."""
+    return self._batches.hypotheses(sentences, beam_size, alpha, **kwargs)
+
+  def score(self, sources: Sequence[str], targets: Sequence[str], *, per_token: bool = False):
+    """`Translator.score` under the mixture: each target token's log(sum_m w_m p_m)."""
+    return self._batches.score(sources, targets, per_token=per_token)

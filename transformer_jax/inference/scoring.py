@@ -21,41 +21,17 @@ import sys
 from typing import IO, Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
 from transformer_jax.common import paths, text_io
 from transformer_jax.common.errors import UserInputError
 from transformer_jax.common.progress import Progress
-from transformer_jax.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
-from transformer_jax.inference.decoding import source_bucket
+from transformer_jax.data.tokenizer import EOS_ID, PAD_ID, Tokenizer
+from transformer_jax.inference.decoding import source_bucket, target_log_probs
 from transformer_jax.inference.translator import Translator, check_decoding_options
 from transformer_jax.model.config import TransformerConfig
-from transformer_jax.model.transformer import Transformer
-from transformer_jax.search.candidates import mask_pad
 from transformer_jax.workdir.layout import Workdir
-
-
-def target_log_probs(
-  model: Transformer, params, src_ids: jax.Array, tgt_ids: jax.Array, *, exclude_pad: bool = True
-) -> jax.Array:
-  """log P of each target token given the source and the tokens before it: float32 [b, t].
-
-  src_ids [b, s]: source pieces + EOS, then PAD; tgt_ids [b, t]: target pieces + EOS, then
-  PAD. Teacher forcing: the decoder reads BOS + target and predicts target + EOS, in one
-  forward pass. PAD positions get 0. `exclude_pad`: see the module docstring.
-  """
-  decoder_inputs = jnp.concatenate([jnp.full_like(tgt_ids[:, :1], BOS_ID), tgt_ids[:, :-1]], 1)
-  # Padding reads as padding (the shifted EOS would do too: causal attention never reaches it).
-  decoder_inputs = jnp.where(tgt_ids == PAD_ID, PAD_ID, decoder_inputs)
-  logits = model.apply({'params': params}, src_ids, decoder_inputs)  # [b, t, v] float32
-  if exclude_pad:
-    logits = mask_pad(logits, PAD_ID)
-  log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-  picked = jnp.take_along_axis(log_probs, tgt_ids[..., None], axis=-1)[..., 0]
-  return jnp.where(tgt_ids == PAD_ID, 0.0, picked)
-
 
 # The model is a static argument (a flax Module is a hashable dataclass of its config): one
 # compiled program per model config and batch shape.
@@ -143,9 +119,7 @@ def score_encoded(
       source_ids, target_ids = pairs[index]
       src[row, : len(source_ids)] = source_ids
       tgt[row, : len(target_ids)] = target_ids
-    log_probs = np.asarray(
-      jitted_target_log_probs(translator.model, translator.params, src, tgt), np.float32
-    )
+    log_probs = np.asarray(translator._token_log_probs(translator.params, src, tgt), np.float32)
     for row, index in enumerate(rows):
       count = len(pairs[index][1])
       values = log_probs[row, :count]

@@ -7,29 +7,45 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Sequence
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import logging
 
 from transformer_jax.checkpoints.served import restore_served_params
-from transformer_jax.common.errors import UserInputError, is_integer, is_number
+from transformer_jax.common.errors import UserInputError
 from transformer_jax.common.progress import Progress
 from transformer_jax.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
+from transformer_jax.inference import batches
 from transformer_jax.inference.decoding import (
-  EXTRA_DECODE_LENGTH,
   beam_decode,
   greedy_decode,
+  sample_decode,
   source_bucket,
+  target_log_probs,
 )
+from transformer_jax.inference.options import DecodingOptions, Hypothesis, check_decoding_options
 from transformer_jax.model.config import TransformerConfig
 from transformer_jax.model.transformer import Transformer
 from transformer_jax.search import decode
 from transformer_jax.search.decode import strip_after_eos
 from transformer_jax.workdir.layout import Workdir
+
+__all__ = ['AttentionMaps', 'DecodingOptions', 'Hypothesis', 'Translator', 'check_decoding_options']
+
+# The searches' keyword arguments that shape their programs (`Translator._build_programs`).
+BEAM_STATIC = ('beam_size', 'alpha', 'max_decode_len', 'rule')
+# Sampling's temperature and top_p are traced (a new value compiles nothing); whether each is
+# applied at all (`tempered`, `nucleus`) is static, so that an unused filter costs nothing.
+SAMPLE_STATIC = ('top_k', 'tempered', 'nucleus', 'max_decode_len')
+
+
+def sampling_filters(temperature, top_p, tempered: bool, nucleus: bool) -> dict:
+  """sample_decode's temperature and top_p keywords: each 1 (statically off) unless applied."""
+  return dict(temperature=temperature if tempered else 1.0, top_p=top_p if nucleus else 1.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,20 +61,6 @@ class AttentionMaps:
   encoder_self: np.ndarray  # [layers, heads, source, source]
   decoder_self: np.ndarray  # [layers, heads, target, target]
   cross: np.ndarray  # [layers, heads, target, source]
-
-
-def check_decoding_options(
-  beam_size: int = 4, alpha: float = 0.6, batch_size: int = 64, beam_rule: str = 'exact'
-) -> None:
-  """One-line errors for impossible decoding settings, raised before any checkpoint is read."""
-  if beam_rule not in decode.BEAM_RULES:
-    raise UserInputError(f'beam_rule must be one of {decode.BEAM_RULES}, got {beam_rule!r}')
-  if not is_integer(beam_size) or beam_size < 1:
-    raise UserInputError(f'beam_size must be a positive integer, got {beam_size!r}')
-  if not is_number(alpha) or not 0 <= alpha < float('inf'):
-    raise UserInputError(f'alpha must be a finite number >= 0, got {alpha!r}')
-  if not is_integer(batch_size) or batch_size < 1:
-    raise UserInputError(f'batch_size must be a positive integer, got {batch_size!r}')
 
 
 class Translator:
@@ -82,24 +84,55 @@ class Translator:
     self.tokenizer = tokenizer
     self.target_tokenizer = target_tokenizer or tokenizer
     self.batch_size = batch_size
+    self._build_programs()
+
+  def _build_programs(self) -> None:
+    """The jitted searches every decoding mode runs (`_decode_batch`), one model's here; an
+    ensemble (`inference.ensemble`) builds its own over the same arguments. Shapes and the
+    keyword arguments are static: one program per batch shape and setting."""
+    model = self.model
     self._greedy = jax.jit(
-      lambda params, src, max_decode_len: greedy_decode(
-        self.model, params, src, max_decode_len=max_decode_len
-      ),
-      static_argnums=(2,),
-    )
-    self._beam = jax.jit(
-      lambda params, src, max_lengths, beam_size, alpha, max_decode_len, rule: beam_decode(
-        self.model,
+      lambda params, src, prefix, prefix_lengths, *, max_decode_len: greedy_decode(
+        model,
         params,
         src,
-        beam_size=beam_size,
-        alpha=alpha,
         max_decode_len=max_decode_len,
+        prefix=prefix,
+        prefix_lengths=prefix_lengths,
+      ),
+      static_argnames=('max_decode_len',),
+    )
+    self._beam = jax.jit(
+      lambda params, src, max_lengths, prefix, prefix_lengths, **static: beam_decode(
+        model,
+        params,
+        src,
         max_lengths=max_lengths,
-        rule=rule,
-      )[0][:, 0],
-      static_argnums=(3, 4, 5, 6),
+        prefix=prefix,
+        prefix_lengths=prefix_lengths,
+        **static,
+      ),
+      static_argnames=BEAM_STATIC,
+    )
+    self._sample = jax.jit(
+      lambda params, src, keys, max_lengths, prefix, prefix_lengths, temperature, top_p, **static: (
+        sample_decode(
+          model,
+          params,
+          src,
+          keys=keys,
+          max_lengths=max_lengths,
+          prefix=prefix,
+          prefix_lengths=prefix_lengths,
+          top_k=static['top_k'],
+          max_decode_len=static['max_decode_len'],
+          **sampling_filters(temperature, top_p, static['tempered'], static['nucleus']),
+        )
+      ),
+      static_argnames=SAMPLE_STATIC,
+    )
+    self._token_log_probs = jax.jit(
+      lambda params, src, tgt: target_log_probs(model, params, src, tgt)
     )
 
   @classmethod
@@ -146,51 +179,84 @@ class Translator:
     beam_size: int = 4,
     alpha: float = 0.6,
     *,
-    beam_rule: str = 'exact',
+    target_prefix: Sequence[str | None] | None = None,
     progress: bool = False,
+    **options,
   ) -> list[str]:
     """One translation per input sentence, in order. Empty input gives empty output.
 
     beam_size 1 is greedy decoding; otherwise beam search with the GNMT length penalty
     ((5 + len) / 6)^alpha (the paper: beam 4, alpha 0.6). Outputs are at most the source length
     + 50 tokens and at most the model's max_len, EOS counted on both sides. Sentences are sorted
-    by length into batches and returned in the original order. `beam_rule`: decode.BEAM_RULES
-    ('ctranslate2': CTranslate2's search, see decode.beam_search). `progress`: reports sentences
-    translated, batch by batch, with rate and ETA (for files; see `progress.py`).
+    by length into batches and returned in the original order. `options`: the other fields of
+    `DecodingOptions` (beam_rule, sampling and its settings, seed, mbr; num_hypotheses must be
+    1: `hypotheses` returns more). `target_prefix`: one text per sentence (or None) its
+    translation starts with (`hypotheses`). `progress`: reports sentences translated, batch by
+    batch, with rate and ETA (for files; see `progress.py`).
     """
-    if isinstance(sentences, (str, bytes)):
-      # A str is a sequence too: it would be translated character by character.
-      raise TypeError(
-        'Translator.translate takes a list of sentences, got a single '
-        f'{type(sentences).__name__}; pass [sentence]'
+    decoding = DecodingOptions(beam_size=beam_size, alpha=alpha, **options).check()
+    if decoding.num_hypotheses != 1:
+      raise UserInputError(
+        'Translator.translate returns one translation per sentence; '
+        f'num_hypotheses={decoding.num_hypotheses} needs Translator.hypotheses()'
       )
-    check_decoding_options(beam_size, alpha, beam_rule=beam_rule)  # batch_size: in __init__.
-    max_len = self.model_config.max_len
-    encoded: list[list[int] | None] = []
-    for index, sentence in enumerate(sentences):
-      if not isinstance(sentence, str):
-        raise UserInputError(
-          f'Translator.translate: sentence {index} is {type(sentence).__name__}, not str'
-        )
-      if not sentence.strip():
-        encoded.append(None)
-        continue
-      ids = self.tokenizer.encode(sentence)
-      if len(ids) + 1 > max_len:
-        logging.warning(
-          'sentence %d has %d tokens; truncated to the model maximum %d',
-          index,
-          len(ids) + 1,
-          max_len,
-        )
-        ids = ids[: max_len - 1]
-      encoded.append(ids + [EOS_ID])
-    outputs = [''] * len(sentences)
-    # Sorting by length keeps padding (and the number of distinct shapes) small.
-    order = sorted(
-      (i for i, ids in enumerate(encoded) if ids is not None), key=lambda i: len(encoded[i])
+    found = self._hypotheses(sentences, decoding, target_prefix, progress, scored=False)
+    return [candidates[0].text if candidates else '' for candidates in found]
+
+  def hypotheses(
+    self,
+    sentences: Sequence[str],
+    beam_size: int = 4,
+    alpha: float = 0.6,
+    *,
+    target_prefix: Sequence[str | None] | None = None,
+    draw_positions: Sequence[int] | None = None,
+    progress: bool = False,
+    **options,
+  ) -> list[list[Hypothesis]]:
+    """num_hypotheses `Hypothesis`es per sentence (text, log_prob, score, tokens), best first,
+    in input order; a blank sentence gives [] (no hypothesis).
+
+    Options: `DecodingOptions` (inference/options.py). Beam search returns its K best finished
+    hypotheses by score (log_prob over the GNMT penalty); greedy its one; sampling K draws,
+    sorted by score; MBR its K candidates of highest expected chrF (`utility`). Draws depend on
+    the seed, the sentence's position in `sentences` and its text only: not on batch_size or
+    the other sentences.
+
+    target_prefix: per sentence, a text (segmented by the target vocabulary) whose pieces the
+    search is forced through before it continues freely (as CTranslate2's target_prefix), or
+    None / '' for none. Its log-probability counts in the scores. It must leave room for the
+    EOS within the sentence's length cap (source + 50 tokens, at most max_len).
+
+    draw_positions: the position each sentence's draws are keyed by instead of its index (a
+    server batching several requests passes each sentence's index in its own request).
+    """
+    decoding = DecodingOptions(beam_size=beam_size, alpha=alpha, **options).check()
+    return self._hypotheses(
+      sentences, decoding, target_prefix, progress, scored=True, draw_positions=draw_positions
     )
 
+  def _hypotheses(
+    self,
+    sentences: Sequence[str],
+    options: DecodingOptions,
+    target_prefix: Sequence[str | None] | None,
+    progress: bool,
+    *,
+    scored: bool,
+    draw_positions: Sequence[int] | None = None,
+  ) -> list[list[Hypothesis]]:
+    """The batch loop of translate and hypotheses: encode, sort by length, decode each batch
+    (`_decode_batch`), return in input order. `scored`: greedy's log-probabilities are computed
+    (one teacher-forced pass; the other searches have them for free)."""
+    jobs = batches.encode_sources(sentences, self.tokenizer, self.model_config.max_len)
+    if target_prefix is not None:
+      batches.add_prefixes(jobs, target_prefix, self.target_tokenizer, len(sentences))
+    if draw_positions is not None:
+      batches.set_draw_positions(jobs, draw_positions, len(sentences))
+    results: list[list[Hypothesis]] = [[] for _ in sentences]
+    rows_per_batch = batches.sentences_per_batch(self.batch_size, options)
+    order = batches.by_length(jobs)
     # Blank lines are translated already (to blank lines): counted from the start.
     bar = Progress(
       total=len(sentences),
@@ -199,30 +265,116 @@ class Translator:
       description='translating',
       enabled=None if progress else False,
     )
-    for start in range(0, len(order), self.batch_size):
-      rows = order[start : start + self.batch_size]
-      source_length = source_bucket(max(len(encoded[i]) for i in rows), max_len)
-      src = np.full((self.batch_size, source_length), PAD_ID, np.int32)
-      max_lengths = np.ones((self.batch_size,), np.int32)
-      for row, index in enumerate(rows):
-        src[row, : len(encoded[index])] = encoded[index]
-        max_lengths[row] = len(encoded[index]) + EXTRA_DECODE_LENGTH
-      max_decode_len = min(max_len, source_length + EXTRA_DECODE_LENGTH)
-      max_lengths = np.minimum(max_lengths, max_decode_len)
-      if beam_size == 1:
-        tokens = self._greedy(self.params, src, max_decode_len)
-      else:
-        tokens = self._beam(
-          self.params, src, max_lengths, beam_size, float(alpha), max_decode_len, beam_rule
-        )
-      outputs_ids = strip_after_eos(np.asarray(tokens), EOS_ID, pad_id=PAD_ID)
-      for row, (index, ids) in enumerate(zip(rows, outputs_ids)):
-        # Greedy search runs to the batch's longest cap; each output keeps its own (the
-        # cap counts the EOS, as beam search's does).
-        outputs[index] = self.tokenizer.decode(ids[: max_lengths[row] - 1])
-      bar.update(len(rows))
+    for start in range(0, len(order), rows_per_batch):
+      batch = [jobs[i] for i in order[start : start + rows_per_batch]]
+      for job, found in zip(batch, self._decode_batch(batch, rows_per_batch, options, scored)):
+        results[job.index] = found
+      bar.update(len(batch))
     bar.close()
-    return outputs
+    return results
+
+  def _decode_batch(
+    self, batch: list[batches.Job], rows: int, options: DecodingOptions, scored: bool
+  ) -> list[list[Hypothesis]]:
+    """The hypotheses of each source in `batch` (at most `rows`, padded to `rows`), by the
+    options' mode, ranked and cut to num_hypotheses (MBR: re-ranked by utility)."""
+    arrays = batches.pad(batch, rows, self.model_config.max_len)
+    forcing = (arrays.prefix, arrays.prefix_lengths)
+    log_probs = None  # [rows, candidates]
+    if options.mode == 'greedy':
+      tokens = np.asarray(
+        self._greedy(self.params, arrays.src, *forcing, max_decode_len=arrays.max_decode_len)
+      )[:, None]  # [rows, 1, L]
+    elif options.mode == 'beam':
+      tokens, scores = self._beam(
+        self.params,
+        arrays.src,
+        arrays.max_lengths,
+        *forcing,
+        beam_size=options.beam_size,
+        alpha=float(options.alpha),
+        max_decode_len=arrays.max_decode_len,
+        rule=options.beam_rule,
+      )
+      tokens, scores = np.asarray(tokens), np.asarray(scores, np.float64)  # [rows, k, L], [rows, k]
+    else:
+      draws = options.candidates
+      repeat = lambda x: None if x is None else np.repeat(x, draws, axis=0)  # noqa: E731
+      keys = batches.sampling_keys(options.seed, [job.position for job in batch], rows, draws)
+      tokens, log_probs = self._sample(
+        self.params,
+        repeat(arrays.src),
+        keys,
+        repeat(arrays.max_lengths),
+        repeat(arrays.prefix),
+        repeat(arrays.prefix_lengths),
+        np.float32(options.sampling_temperature),
+        np.float32(options.sampling_topp),
+        top_k=options.sampling_topk,
+        tempered=options.sampling_temperature != 1,
+        nucleus=options.sampling_topp < 1,
+        max_decode_len=arrays.max_decode_len,
+      )
+      # [rows * draws, L] -> [rows, draws, L]: sentence-major, as repeated.
+      tokens = np.asarray(tokens).reshape(rows, draws, -1)
+      log_probs = np.asarray(log_probs, np.float64).reshape(rows, draws)
+    greedy_sums = None
+    if options.mode == 'greedy' and scored:
+      greedy_sums = self._score_outputs(batch, tokens[:, 0], arrays.max_lengths)
+    found = []
+    for row, job in enumerate(batch):
+      # Greedy runs to the batch's longest cap; each output keeps its own (EOS counted).
+      pieces = [
+        ids[: arrays.max_lengths[row] - 1]
+        for ids in strip_after_eos(tokens[row], EOS_ID, pad_id=PAD_ID)
+      ]
+      if options.mode == 'beam':
+        # Slots beam search never filled score -inf; the first is always a hypothesis.
+        kept = [c for c in range(len(pieces)) if c == 0 or np.isfinite(scores[row, c])]
+        penalty = [float(decode.length_penalty(len(pieces[c]) + 1, options.alpha)) for c in kept]
+        sums = [float(scores[row, c]) * p for c, p in zip(kept, penalty)]
+        pieces = [pieces[c] for c in kept]
+      elif log_probs is not None:
+        sums = [float(v) for v in log_probs[row]]
+      elif greedy_sums is not None:
+        sums = [greedy_sums[row]]
+      else:
+        sums = [math.nan]
+      found.append(self._rank(pieces, sums, options))
+    return found
+
+  def _rank(self, pieces: list[list[int]], sums: list[float], options: DecodingOptions):
+    candidates = [
+      Hypothesis(
+        text=self.tokenizer.decode(ids),
+        log_prob=total,
+        score=total / float(decode.length_penalty(len(ids) + 1, options.alpha)),
+        tokens=len(ids) + 1,
+      )
+      for ids, total in zip(pieces, sums)
+    ]
+    # Best first; a stable sort keeps beam search's own order (and draws' order) in ties.
+    candidates.sort(key=lambda h: -h.score if math.isfinite(h.score) else math.inf)
+    if options.mbr:
+      from transformer_jax.inference import mbr  # sacrebleu's chrF: only for MBR.
+
+      _, utilities = mbr.select([h.text for h in candidates])
+      ranked = sorted(range(len(candidates)), key=lambda c: -utilities[c])
+      candidates = [dataclasses.replace(candidates[c], utility=float(utilities[c])) for c in ranked]
+    return candidates[: options.num_hypotheses]
+
+  def _score_outputs(self, batch, tokens, max_lengths) -> list[float]:
+    """log P(output pieces, EOS | source) of each row's output, by one teacher-forced pass
+    (greedy's scores; the other searches have them for free)."""
+    from transformer_jax.inference import scoring  # It imports this module.
+
+    pairs = [
+      (job.ids, ids[: max_lengths[row] - 1] + [EOS_ID])
+      for row, (job, ids) in enumerate(
+        zip(batch, strip_after_eos(tokens[: len(batch)], EOS_ID, pad_id=PAD_ID))
+      )
+    ]
+    return [result['log_prob'] for result in scoring.score_encoded(self, pairs)]
 
   def score(
     self, sources: Sequence[str], targets: Sequence[str], *, per_token: bool = False
