@@ -131,10 +131,10 @@ def hypotheses(
   search is ours with beam_rule='ctranslate2') and ranks them by the GNMT penalty at `alpha`
   (`gnmt_best`); greedy returns its one; sampling num_hypotheses draws (beam_size unused).
   Where beam search still differs from ours (tests/export_options_test.py): at the cap, where
-  ours forces EOS and CTranslate2 ends its k best candidates, EOS or not; right after a prefix,
-  where CTranslate2 lets EOS end only the best candidate (its issue #277); at alpha > 0 with more
+  ours forces EOS and CTranslate2 ends its k best candidates, EOS or not; at alpha > 0 with more
   than beam_size hypotheses ended, where CTranslate2 keeps the beam_size best by log-prob, ours
-  by score.
+  by score. (Right after a prefix CTranslate2 lets EOS end only the best candidate, its issue
+  #277: ours with beam_rule='ctranslate2' does too.)
   log_prob is log P(pieces, EOS | source) with the prefix counted, as ours. CTranslate2's own
   scores leave out what it did not predict: the forced prefix (added here from one score_batch
   pass over the prefixes) and, for a hypothesis cut at the cap, the EOS ours forces there

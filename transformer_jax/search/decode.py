@@ -355,6 +355,11 @@ def _beam_loop(
       top_logp, parent, top_token = (
         jnp.where(forced[:, None], f, x) for f, x in zip(forced_top, (top_logp, parent, top_token))
       )
+    after_prefix = None
+    if rule == 'ctranslate2' and forcing is not None:
+      top_token, top_logp, after_prefix = target_prefix.ctranslate2_first_free_step(
+        step, forcing[1], top_token, top_logp, eos_id=eos_id, pad_id=pad_id
+      )
     top_seq = jax.lax.dynamic_update_slice_in_dim(
       _gather(alive_seq, parent), top_token[:, :, None], step, axis=2
     )
@@ -371,7 +376,10 @@ def _beam_loop(
       # Once decided, no later hypothesis can enter the k best: nothing to mask.
       ends = ended
 
-    alive_logp, idx = jax.lax.top_k(jnp.where(ended, neg_inf, top_logp), k)
+    alive_pool = jnp.where(ended, neg_inf, top_logp)
+    if after_prefix is not None:
+      alive_pool = target_prefix.alive_after_prefix(alive_pool, ended, after_prefix, k)
+    alive_logp, idx = jax.lax.top_k(alive_pool, k)
     alive_seq = _gather(top_seq, idx)
     rows = jnp.arange(b)[:, None] * k + _gather(parent, idx)  # [b, k]
     extra = reorder(extra, rows.reshape(b * k))

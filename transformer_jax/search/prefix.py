@@ -81,3 +81,26 @@ def forced_extensions(
   parent = jnp.concatenate([parent, jnp.zeros((b, pad), parent.dtype)], axis=1)
   tokens = jnp.broadcast_to(token[:, None], (b, count))
   return scores, parent.astype(jnp.int32), tokens.astype(jnp.int32)
+
+
+def ctranslate2_first_free_step(
+  step, prefix_lengths: jax.Array, top_token: jax.Array, top_logp: jax.Array, *, eos_id, pad_id
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """CTranslate2's beam search at the first step after a prefix (its issue #277), for beam_rule
+  'ctranslate2': EOS may end only the best of the 2k candidates [b, 2k]; elsewhere it leaves an
+  empty one. Returns (top_token, top_logp, after_prefix bool[b, 1]) for `alive_after_prefix`."""
+  position = jnp.arange(top_token.shape[1])[None, :]
+  after_prefix = ((step == prefix_lengths) & (prefix_lengths > 0))[:, None]  # [b, 1]
+  refused = after_prefix & (position > 0) & (top_token == eos_id)
+  return (
+    jnp.where(refused, pad_id, top_token),
+    jnp.where(refused, -jnp.inf, top_logp),
+    after_prefix,
+  )
+
+
+def alive_after_prefix(alive_pool: jax.Array, ended: jax.Array, after_prefix: jax.Array, k: int):
+  """The candidates [b, 2k] that may stay alive at CTranslate2's first free step: only the k
+  best (k + 1 where the best one ended), as its search keeps them."""
+  beyond = jnp.arange(alive_pool.shape[1])[None, :] >= k + ended[:, :1]
+  return jnp.where(after_prefix & beyond, -jnp.inf, alive_pool)
