@@ -183,9 +183,13 @@ def _string_literals(path: pathlib.Path) -> frozenset[str]:
   )
 
 
-# `--checkpoint=averaged` names a choice of parameters, not a path: parsed in cli, resolved to
-# the workdir's path in checkpoints.served.
-_ALSO_A_FLAG_VALUE = {'averaged': {'transformer_jax.cli', 'transformer_jax.checkpoints.served'}}
+# `--checkpoint=averaged` names a choice of parameters, not a path: parsed in inference.models,
+# resolved to the workdir's path in checkpoints.served. "hypotheses" is also the JSON field of
+# n-best lists (translate --output_format=jsonl, the server's answers).
+_ALSO_A_FLAG_VALUE = {
+  'averaged': {'transformer_jax.inference.models', 'transformer_jax.checkpoints.served'},
+  'hypotheses': {'transformer_jax.inference.text_files', 'transformer_jax.serving.app'},
+}
 
 
 @pytest.mark.parametrize('name', WORKDIR_NAMES)

@@ -22,7 +22,6 @@ from absl import flags as absl_flags
 from ml_collections import config_flags
 
 from transformer_jax.common import errors, streams
-from transformer_jax.common.errors import UserInputError
 from transformer_jax.common.log import quiet_library_logs
 
 # The flags this module defines for the commands (`define_*_flag`) belong to the command that
@@ -219,12 +218,54 @@ def config_flag_message(error: BaseException) -> str:
 
 
 def checkpoint_flag_value(value: str | None) -> int | str | None:
-  """--checkpoint: a step number, 'averaged' or 'latest' (None: the default choice)."""
-  if value is None or value in ('averaged', 'latest'):
-    return value
-  try:
-    return int(value)
-  except ValueError:
-    raise UserInputError(
-      f"--checkpoint must be a step number, 'averaged' or 'latest', got {value!r}"
-    ) from None
+  """--checkpoint: a step number, 'averaged' or 'latest' (None: the default choice); parsed by
+  `inference.models.checkpoint_value`, which --models entries share."""
+  from transformer_jax.inference import models  # The library's rule, imported when used.
+
+  return models.checkpoint_value(value)
+
+
+def define_models_flags() -> None:
+  """--models and --weights: an ensemble instead of --workdir (`inference.models`)."""
+  absl_flags.DEFINE_string(
+    'models',
+    None,
+    'Instead of --workdir: an ensemble of workdirs sharing a vocabulary, DIR[@CHECKPOINT],DIR2,'
+    '... (CHECKPOINT as --checkpoint; without one, --checkpoint). Each step decodes with the '
+    "log of the weighted mean of the members' probabilities.",
+  )
+  absl_flags.DEFINE_string(
+    'weights', None, 'With --models: one number > 0 per member, W1,W2,... (default: equal).'
+  )
+
+
+def define_sampling_flags() -> None:
+  """--sampling and its settings, --seed and --mbr: `DecodingOptions`' fields, so that its
+  one-line errors name the flags."""
+  absl_flags.DEFINE_bool(
+    'sampling', False, "Draw each token from the model's distribution instead of beam search."
+  )
+  absl_flags.DEFINE_float(
+    'sampling_temperature', 1.0, 'With --sampling: softmax temperature, finite and > 0.'
+  )
+  absl_flags.DEFINE_integer(
+    'sampling_topk', 0, 'With --sampling: draw among the k most probable pieces (0: all).'
+  )
+  absl_flags.DEFINE_float(
+    'sampling_topp', 1.0, 'With --sampling: draw within the nucleus of probability p (1: all).'
+  )
+  absl_flags.DEFINE_integer(
+    'seed', 0, 'Seed of the draws: the same seed and input give the same output.'
+  )
+  absl_flags.DEFINE_integer(
+    'mbr',
+    0,
+    'Minimum-Bayes-risk decoding over N candidates (N draws with --sampling, else the N best '
+    'of beam search, N <= --beam_size): the one of highest mean chrF against the others. 0: off.',
+  )
+
+
+def sampling_flag_values(flag_values) -> dict:
+  """The values of `define_sampling_flags`' flags, as `DecodingOptions` keyword arguments."""
+  names = ('sampling', 'sampling_temperature', 'sampling_topk', 'sampling_topp', 'seed', 'mbr')
+  return {name: getattr(flag_values, name) for name in names}

@@ -5,7 +5,9 @@
         [--beam_size=4 --alpha=0.6 --beam_rule=exact --checkpoint=averaged --out=hypotheses.txt]
 
 Translates the source file, writes one hypothesis per line, and prints the scores with their
-signatures, so results are comparable with published ones.
+signatures, so results are comparable with published ones. `--models=DIR,DIR2 --out=FILE`
+evaluates an ensemble; `--sampling`, `--mbr=N` decode otherwise (the first hypothesis is
+scored).
 """
 
 from absl import flags
@@ -17,21 +19,23 @@ FLAGS = flags.FLAGS
 
 
 def _define_flags():
-  cli.define_workdir_flag('Training workdir.')
+  cli.define_workdir_flag('Training workdir (or --models).')
+  cli.define_models_flags()
   flags.DEFINE_string('src', None, 'Source sentences, one per line.')
   flags.DEFINE_string('ref', None, 'Reference translations, one per line.')
   flags.DEFINE_string(
     'out',
     None,
     'Where to write the hypotheses (default: a file named '
-    'after --src, --checkpoint and --beam_size in the workdir).',
+    'after --src, --checkpoint and the decoding flags in the workdir; needed with --models).',
   )
   cli.define_checkpoint_flag()
   flags.DEFINE_integer('beam_size', 4, 'Beam size; 1 = greedy.')
   flags.DEFINE_float('alpha', 0.6, 'Length penalty exponent.')
   cli.define_beam_rule_flag()
+  cli.define_sampling_flags()
   flags.DEFINE_integer('batch_size', 64, 'Sentences decoded together.')
-  flags.mark_flags_as_required(['workdir', 'src', 'ref'])
+  flags.mark_flags_as_required(['src', 'ref'])
 
 
 def main(argv):
@@ -40,17 +44,20 @@ def main(argv):
     FLAGS.workdir,
     FLAGS.src,
     FLAGS.ref,
+    models=FLAGS.models,
+    weights=FLAGS.weights,
     out=FLAGS.out,
     checkpoint=cli.checkpoint_flag_value(FLAGS.checkpoint),
     beam_size=FLAGS.beam_size,
     alpha=FLAGS.alpha,
     batch_size=FLAGS.batch_size,
     beam_rule=FLAGS.beam_rule,
+    **cli.sampling_flag_values(FLAGS),
   )
   print('\n'.join(test_set.report_lines(result)))
   print(
     f'{result["sentences"]} sentences in {result["seconds"]:.1f}s '
-    f'(beam {FLAGS.beam_size}, alpha {FLAGS.alpha}); hypotheses: {result["hypotheses_file"]}'
+    f'({result["decoding"]}); hypotheses: {result["hypotheses_file"]}'
   )
 
 

@@ -14,6 +14,8 @@ from transformer_jax.evaluation.metrics import (
   score,
   sentence_categories,
 )
+from transformer_jax.inference import models as model_choice
+from transformer_jax.inference.options import DecodingOptions
 from transformer_jax.inference.translator import Translator, check_decoding_options
 from transformer_jax.workdir.layout import Workdir
 
@@ -28,6 +30,7 @@ def evaluate(
   progress: bool = False,
   dataset: str | None = None,
   beam_rule: str = 'exact',
+  **options,
 ) -> tuple[list[str], dict]:
   """(hypotheses, `score` of them plus 'seconds', 'sentences', 'exact_match', 'exact_matches',
   'bleu_reported' and, where the task defines categories, 'by_category' (see
@@ -35,6 +38,8 @@ def evaluate(
 
   dataset: the config.dataset the model was trained on, which says which scores mean something.
   progress: reports the sentences translated with rate and ETA (`Translator.translate`).
+  translator: a `Translator` or an `Ensemble`; `options`: the other `DecodingOptions` fields
+  (sampling and its settings, seed, mbr): the first hypothesis of each source is scored.
   """
   if isinstance(sources, str) or isinstance(references, str):
     # A str is a sequence too: it would be scored letter by letter.
@@ -48,7 +53,7 @@ def evaluate(
   references = text_io.without_byte_order_mark(references)
   start = time.time()
   hypotheses = translator.translate(
-    sources, beam_size=beam_size, alpha=alpha, beam_rule=beam_rule, progress=progress
+    sources, beam_size=beam_size, alpha=alpha, beam_rule=beam_rule, progress=progress, **options
   )
   result = score(hypotheses, references)
   result['seconds'] = time.time() - start
@@ -63,41 +68,54 @@ def evaluate(
 
 
 def evaluate_files(
-  workdir: str,
+  workdir: str | None,
   src: str,
   ref: str,
   *,
+  models: str | None = None,
+  weights: str | None = None,
   out: str | None = None,
   checkpoint: int | str | None = None,
   beam_size: int = 4,
   alpha: float = 0.6,
   batch_size: int = 64,
   beam_rule: str = 'exact',
+  **options,
 ) -> dict:
-  """The `evaluate` command: translates `src`, scores it against `ref`, writes the hypotheses
-  (to `out`, default in the workdir); returns `evaluate`'s dict plus 'hypotheses_file' (the
-  file written)."""
+  """The `evaluate` command: translates `src` with a workdir's model (or an ensemble,
+  `models`/`weights` as `inference.models.choose` takes them), scores it against `ref`, writes
+  the hypotheses (to `out`, default in the workdir; an ensemble's need `out`); returns
+  `evaluate`'s dict plus 'hypotheses_file' (the file written) and 'decoding' (`describe`).
+  `options`: the other `DecodingOptions` fields (sampling, its settings, seed, mbr; one
+  hypothesis per source is scored)."""
+  decoding = DecodingOptions(beam_size=beam_size, alpha=alpha, beam_rule=beam_rule, **options)
+  decoding.check()
   check_decoding_options(beam_size, alpha, batch_size, beam_rule)
+  choice = model_choice.choose(workdir, models, checkpoint, weights)
   sources, references = text_io.read_lines(src, '--src'), text_io.read_lines(ref, '--ref')
   for flag, path, lines in (('--src', src, sources), ('--ref', ref, references)):
     if not lines:
       raise UserInputError(f'{flag}={path} is empty: nothing to evaluate')
   if len(sources) != len(references):
     raise UserInputError(f'{src} has {len(sources)} lines but {ref} has {len(references)}')
+  first_workdir = choice.workdirs[0]
   # Before the test set is translated: the hypotheses must have somewhere to go.
   if out:
     text_io.check_writable_output(out, '--out')
+  elif choice.ensemble:
+    raise UserInputError("--models needs --out: an ensemble's hypotheses belong to no one workdir")
   else:
-    out = Workdir(workdir).hypotheses_file(src, checkpoint, beam_size, alpha, beam_rule)
+    out = _default_hypotheses_file(Workdir(first_workdir), src, checkpoint, decoding)
     text_io.check_writable_output(out, '--out', make_folders=True)
-  paths.check_outputs_apart(
-    {'--out': out},
-    {'--src': src, '--ref': ref},
-    {'--workdir': workdir},
-    run_outputs=(Workdir(workdir).hypotheses_folder,),
-  )
-  translator = Translator.from_checkpoint(workdir, checkpoint, batch_size)
-  saved = Workdir(workdir).read_run_config_if_present() or {}
+  for folder in choice.workdirs:
+    paths.check_outputs_apart(
+      {'--out': out},
+      {'--src': src, '--ref': ref},
+      {choice.flag: folder},
+      run_outputs=(Workdir(folder).hypotheses_folder,) if not choice.ensemble else (),
+    )
+  translator = model_choice.load(choice=choice, batch_size=batch_size)
+  saved = Workdir(first_workdir).read_run_config_if_present() or {}
   dataset = saved.get('config', {}).get('dataset')
   hypotheses, result = evaluate(
     translator,
@@ -108,9 +126,42 @@ def evaluate_files(
     progress=True,
     dataset=dataset if isinstance(dataset, str) else None,
     beam_rule=beam_rule,
+    **options,
   )
   text_io.write_lines(hypotheses, out, flag='--out')
-  return dict(result, hypotheses_file=out)
+  return dict(result, hypotheses_file=out, decoding=describe(decoding))
+
+
+def _default_hypotheses_file(workdir: Workdir, src: str, checkpoint, decoding: DecodingOptions):
+  """`Workdir.hypotheses_file`, its name also saying how sampling and MBR were set (so that a
+  sweep over them keeps each run's output); beam search's names are unchanged."""
+  path = workdir.hypotheses_file(
+    src, checkpoint, decoding.beam_size, decoding.alpha, decoding.beam_rule
+  )
+  mode = ''
+  if decoding.sampling:
+    mode += (
+      f'.sampling.t{decoding.sampling_temperature:g}.k{decoding.sampling_topk}'
+      f'.p{decoding.sampling_topp:g}.seed{decoding.seed}'
+    )
+  if decoding.mbr:
+    mode += f'.mbr{decoding.mbr}'
+  return path.with_name(path.name.removesuffix('.txt') + mode + '.txt') if mode else path
+
+
+def describe(decoding: DecodingOptions) -> str:
+  """How the hypotheses were made, for evaluate's summary line."""
+  if decoding.sampling:
+    text = f'sampling, temperature {decoding.sampling_temperature:g}, seed {decoding.seed}'
+    if decoding.sampling_topk:
+      text += f', top-k {decoding.sampling_topk}'
+    if decoding.sampling_topp < 1:
+      text += f', top-p {decoding.sampling_topp:g}'
+  else:
+    text = f'beam {decoding.beam_size}, alpha {decoding.alpha:g}'
+  if decoding.mbr:
+    text = f'MBR over {decoding.mbr} candidates ({text})'
+  return text
 
 
 def report_lines(result: dict) -> list[str]:

@@ -28,10 +28,9 @@ from transformer_jax.common import paths, text_io
 from transformer_jax.common.errors import UserInputError
 from transformer_jax.common.progress import Progress
 from transformer_jax.data.tokenizer import EOS_ID, PAD_ID, Tokenizer
+from transformer_jax.inference import models as model_choice
 from transformer_jax.inference.decoding import source_bucket, target_log_probs
 from transformer_jax.inference.translator import Translator, check_decoding_options
-from transformer_jax.model.config import TransformerConfig
-from transformer_jax.workdir.layout import Workdir
 
 # The model is a static argument (a flax Module is a hashable dataclass of its config): one
 # compiled program per model config and batch shape.
@@ -169,10 +168,12 @@ def format_score(result: dict) -> str:
 
 
 def score_files(
-  workdir: str,
+  workdir: str | None,
   src_path: str,
   tgt_path: str,
   *,
+  models: str | None = None,
+  weights: str | None = None,
   checkpoint: int | str | None = None,
   batch_size: int = 64,
   output_path: str | None = None,
@@ -180,20 +181,23 @@ def score_files(
   stdout: IO[str] | None = None,
 ) -> None:
   """The `score` command: line N of `output_path` (or stdout) scores line N of `src_path`
-  against line N of `tgt_path` (`format_score`).
+  against line N of `tgt_path` (`format_score`), under a workdir's model or an ensemble's
+  mixture (`models`, `weights`: `inference.models.choose`).
 
   Every check a user's input can fail (unreadable or unwritable files, outputs over inputs,
-  different line counts, empty files, a target over the model's max_len) runs before the
-  parameters are restored; the output is written once, complete, or not at all.
+  different line counts, empty files, a target over the model's max_len, the weights) runs
+  before the parameters are restored; the output is written once, complete, or not at all.
   """
   check_decoding_options(batch_size=batch_size)
+  choice = model_choice.choose(workdir, models, checkpoint, weights)
   text_io.check_readable_file(src_path, '--src')
   text_io.check_readable_file(tgt_path, '--tgt')
   if output_path is not None:
     text_io.check_writable_output(output_path, '--output')
-    paths.check_outputs_apart(
-      {'--output': output_path}, {'--src': src_path, '--tgt': tgt_path}, {'--workdir': workdir}
-    )
+    for folder in choice.workdirs:
+      paths.check_outputs_apart(
+        {'--output': output_path}, {'--src': src_path, '--tgt': tgt_path}, {choice.flag: folder}
+      )
   sources = text_io.read_lines(src_path, '--src')
   targets = text_io.read_lines(tgt_path, '--tgt')
   for flag, path, lines in (('--src', src_path, sources), ('--tgt', tgt_path, targets)):
@@ -206,11 +210,7 @@ def score_files(
     )
   # The vocabularies and max_len (small files) before the parameters: a target too long is
   # found before the checkpoint is read.
-  layout = Workdir(workdir)
-  max_len = TransformerConfig.from_dict(layout.read_run_config()['model']).max_len
-  tokenizer = Tokenizer.load(layout.vocab_file)
-  target_file = layout.target_vocab_file
-  target_tokenizer = Tokenizer.load(target_file) if target_file.exists() else tokenizer
+  tokenizer, target_tokenizer, max_len = model_choice.vocabularies_and_max_len(choice)
   pairs = encode_pairs(
     sources,
     targets,
@@ -220,6 +220,7 @@ def score_files(
     source_name=lambda index: f'--src={src_path} line {index + 1}',
     target_name=lambda index: f'--tgt={tgt_path} line {index + 1}',
   )
-  translator = Translator.from_checkpoint(workdir, checkpoint, batch_size)
-  results = score_encoded(translator, pairs, per_token=per_token, progress=True)
+  model = model_choice.load(choice=choice, batch_size=batch_size)
+  scorer = model_choice.decoding_translator(model)  # An ensemble's: the mixture's log-probs.
+  results = score_encoded(scorer, pairs, per_token=per_token, progress=True)
   text_io.write_lines([format_score(r) for r in results], output_path, stdout or sys.stdout)

@@ -180,6 +180,7 @@ class Translator:
     alpha: float = 0.6,
     *,
     target_prefix: Sequence[str | None] | None = None,
+    draw_positions: Sequence[int] | None = None,
     progress: bool = False,
     **options,
   ) -> list[str]:
@@ -191,8 +192,8 @@ class Translator:
     by length into batches and returned in the original order. `options`: the other fields of
     `DecodingOptions` (beam_rule, sampling and its settings, seed, mbr; num_hypotheses must be
     1: `hypotheses` returns more). `target_prefix`: one text per sentence (or None) its
-    translation starts with (`hypotheses`). `progress`: reports sentences translated, batch by
-    batch, with rate and ETA (for files; see `progress.py`).
+    translation starts with, and `draw_positions`, as for `hypotheses`. `progress`: reports
+    sentences translated, batch by batch, with rate and ETA (for files; see `progress.py`).
     """
     decoding = DecodingOptions(beam_size=beam_size, alpha=alpha, **options).check()
     if decoding.num_hypotheses != 1:
@@ -200,7 +201,9 @@ class Translator:
         'Translator.translate returns one translation per sentence; '
         f'num_hypotheses={decoding.num_hypotheses} needs Translator.hypotheses()'
       )
-    found = self._hypotheses(sentences, decoding, target_prefix, progress, scored=False)
+    found = self._hypotheses(
+      sentences, decoding, target_prefix, progress, scored=False, draw_positions=draw_positions
+    )
     return [candidates[0].text if candidates else '' for candidates in found]
 
   def hypotheses(
