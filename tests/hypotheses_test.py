@@ -71,7 +71,7 @@ def test_n_best_lists_are_the_beams_best_first_with_their_log_probabilities(tran
   assert _texts(two) == [t[:2] for t in _texts(found)]
 
 
-def test_greedy_has_one_hypothesis_scored_by_a_forced_pass(translator):
+def test_greedy_has_one_hypothesis_whose_log_prob_is_forced_scorings(translator):
   found = translator.hypotheses(SOURCES, beam_size=1)
   assert [c[0].text if c else '' for c in found] == translator.translate(SOURCES, beam_size=1)
   sources, flat = _flat(SOURCES, found)

@@ -10,7 +10,6 @@ import html
 import http.client
 import json
 import os
-import re
 import shutil
 import socket
 import subprocess
@@ -20,6 +19,7 @@ import time
 import urllib.parse
 
 import pytest
+from helpers import server_process
 
 from transformer_jax.common.errors import UserInputError
 from transformer_jax.serving import app, guards
@@ -31,67 +31,17 @@ DEADLINE_S = 0.5
 JSON = 'application/json'
 
 
-class Server:
-  """A `python -m transformer_jax.serve` subprocess on a free port of 127.0.0.1."""
+class Server(server_process.Server):
+  """The shared server process (tests/helpers/server_process.py), sending TOKEN by default."""
 
   def __init__(self, workdir, folder, *flags):
-    self.log_path = folder / 'log'
-    self.log = open(self.log_path, 'w')
-    env = {k: v for k, v in os.environ.items() if k != guards.TOKEN_VARIABLE}
-    self.process = subprocess.Popen(
-      [sys.executable, '-m', 'transformer_jax.serve', f'--workdir={workdir}', '--port=0', *flags],
-      stdout=self.log,
-      stderr=subprocess.STDOUT,
-      env=env,
-    )
-    deadline = time.monotonic() + 300
-    try:
-      while not (found := re.search(r'serving on http://127\.0\.0\.1:(\d+)', self.output())):
-        assert self.process.poll() is None, f'the server exited:\n{self.output()[-3000:]}'
-        assert time.monotonic() < deadline, f'no server:\n{self.output()[-3000:]}'
-        time.sleep(0.2)
-    except AssertionError:
-      self.stop()
-      raise
-    self.port = int(found.group(1))
-
-  def output(self) -> str:
-    with open(self.log_path) as f:
-      return f.read()
-
-  def request(self, method, path, body=None, headers=None, *, token=TOKEN, content_type=JSON):
-    """-> (status, headers, parsed JSON or text). `body`: bytes as they are, else JSON; a
-    Content-Type of None sends none; `headers` may set Host (http.client's is 127.0.0.1:port)."""
-    headers = dict(headers or {})
-    if token:
-      headers.setdefault('Authorization', f'Bearer {token}')
-    if body is not None:
-      body = body if isinstance(body, bytes) else json.dumps(body).encode()
-      if content_type:
-        headers.setdefault('Content-Type', content_type)
-    connection = http.client.HTTPConnection('127.0.0.1', self.port, timeout=60)
-    try:
-      connection.request(method, path, body=body, headers=headers)
-      response = connection.getresponse()
-      data = response.read().decode()
-      is_json = response.headers.get('content-type', '').startswith(JSON)
-      return response.status, response.headers, json.loads(data) if is_json else data
-    finally:
-      connection.close()
+    super().__init__(workdir, folder / 'log', *flags, token=TOKEN)
 
   def translate(self, headers=None, **kwargs):
     return self.request('POST', '/v1/translate', {'text': ['one']}, headers, **kwargs)
 
   def responses(self) -> dict[str, int]:
-    status, _, metrics = self.request('GET', '/metrics')
-    assert status == 200
-    return metrics['responses']
-
-  def stop(self):
-    if self.process.poll() is None:
-      self.process.kill()
-      self.process.wait()
-    self.log.close()
+    return self.metrics()['responses']
 
 
 @pytest.fixture(scope='module')

@@ -10,7 +10,6 @@ processes share a JAX persistent compilation cache, so programs compiled once lo
 """
 
 import concurrent.futures
-import http.client
 import json
 import os
 import re
@@ -26,13 +25,14 @@ import urllib.parse
 import jax
 import numpy as np
 import pytest
+from helpers.server_process import Server
 
 from transformer_jax.common.errors import UserInputError
 from transformer_jax.data import number_words
 from transformer_jax.inference.translator import Translator
 from transformer_jax.serving import app, ctranslate2_engine
-from transformer_jax.serving.app import parse_decoding
 from transformer_jax.serving.batcher import Batcher, Closed, Engine, Metrics, QueueFull
+from transformer_jax.serving.decoding_modes import BeamEntry, parse_decoding
 from transformer_jax.serving.jax_engine import batch_buckets
 from transformer_jax.training import loop
 from transformer_jax.workdir.layout import Workdir
@@ -105,73 +105,9 @@ def reference(workdir, env, tmp_path_factory):
   return answers
 
 
-class Server:
-  """A `python -m transformer_jax.serve` subprocess on a free port of 127.0.0.1."""
-
-  def __init__(self, workdir, env, log_path, *flags):
-    self.log_path = log_path
-    self.log = open(log_path, 'w')
-    self.process = subprocess.Popen(
-      [sys.executable, '-m', 'transformer_jax.serve', f'--workdir={workdir}', '--port=0', *flags],
-      stdout=self.log,
-      stderr=subprocess.STDOUT,
-      env=env,
-    )
-    deadline = time.monotonic() + 300
-    try:
-      while not (found := re.search(r'serving on http://127\.0\.0\.1:(\d+)', self.output())):
-        assert self.process.poll() is None, f'the server exited:\n{self.output()[-3000:]}'
-        assert time.monotonic() < deadline, f'no server:\n{self.output()[-3000:]}'
-        time.sleep(0.2)
-    except AssertionError:
-      self.stop()
-      raise
-    self.port = int(found.group(1))
-
-  def output(self) -> str:
-    with open(self.log_path) as f:
-      return f.read()
-
-  def request(self, method, path, body=None, headers=None):
-    """-> (status, headers, parsed JSON or text). `body`: bytes as they are, else JSON."""
-    if body is not None and not isinstance(body, bytes):
-      body = json.dumps(body).encode()
-    connection = http.client.HTTPConnection('127.0.0.1', self.port, timeout=120)
-    if method == 'POST':  # As a client must (serving/guards.py).
-      headers = {'Content-Type': 'application/json', **(headers or {})}
-    try:
-      connection.request(method, path, body=body, headers=headers or {})
-      response = connection.getresponse()
-      data = response.read().decode()
-      is_json = response.headers.get('content-type', '').startswith('application/json')
-      return response.status, response.headers, json.loads(data) if is_json else data
-    finally:
-      connection.close()
-
-  def post(self, body, path='/v1/translate'):
-    return self.request('POST', path, body)
-
-  def metrics(self):
-    status, _, metrics = self.request('GET', '/metrics')
-    assert status == 200
-    return metrics
-
-  def wait_for_queue(self, depth, timeout=10):
-    deadline = time.monotonic() + timeout
-    while self.metrics()['queue_depth'] != depth:
-      assert time.monotonic() < deadline, f'the queue never held {depth} request(s)'
-      time.sleep(0.01)
-
-  def stop(self):
-    if self.process.poll() is None:
-      self.process.kill()
-      self.process.wait()
-    self.log.close()
-
-
 @pytest.fixture(scope='module')
 def server(workdir, env, reference, tmp_path_factory):
-  running = Server(workdir, env, tmp_path_factory.mktemp('server') / 'log', *SERVER_FLAGS)
+  running = Server(workdir, tmp_path_factory.mktemp('server') / 'log', *SERVER_FLAGS, env=env)
   yield running
   running.stop()
 
@@ -180,7 +116,7 @@ def server(workdir, env, reference, tmp_path_factory):
 def slow_server(workdir, env, reference, tmp_path_factory):
   flags = ['--max_batch_size=2', '--max_wait_ms=6000', '--timeout_s=2', '--max_queue=1']
   running = Server(
-    workdir, env, tmp_path_factory.mktemp('slow') / 'log', *flags, '--decoding=4:0.6'
+    workdir, tmp_path_factory.mktemp('slow') / 'log', *flags, '--decoding=4:0.6', env=env
   )
   yield running
   running.stop()
@@ -194,12 +130,12 @@ def ct2_server(workdir, env, reference, tmp_path_factory):
   flags = [*SERVER_FLAGS[:-1], '--decoding=4:0.6,1:0', '--max_wait_ms=1000']
   running = Server(
     workdir,
-    env,
     folder / 'log',
     '--engine=ctranslate2',
     '--quantization=float32',
     f'--ctranslate2_dir={folder / "model"}',
     *flags,
+    env=env,
   )
   yield running
   running.stop()
@@ -211,8 +147,8 @@ class _RecordingEngine(Engine):
   def __init__(self):
     self.calls = []
 
-  def translate(self, sentences, beam_size, alpha):
-    self.calls.append((list(sentences), beam_size, alpha))
+  def decode(self, sentences, key, target_prefix, draw_positions):
+    self.calls.append((list(sentences), *key))
     return [sentence.upper() for sentence in sentences]
 
 
@@ -258,10 +194,10 @@ class _GatedEngine(_RecordingEngine):
     super().__init__()
     self.entered, self.permits = threading.Semaphore(0), threading.Semaphore(0)
 
-  def translate(self, sentences, beam_size, alpha):
+  def decode(self, sentences, key, target_prefix, draw_positions):
     self.entered.release()
     assert self.permits.acquire(timeout=30)
-    return super().translate(sentences, beam_size, alpha)
+    return super().decode(sentences, key, target_prefix, draw_positions)
 
 
 def test_the_batcher_waits_for_as_many_sentences_as_the_last_round_brought():
@@ -323,9 +259,13 @@ def test_the_batcher_waits_for_as_many_sentences_as_the_last_round_brought():
 
 
 def test_decoding_options_and_batch_buckets():
-  assert parse_decoding('4:0.6, 1, 1:0.6, 2:0') == ((4, 0.6), (1, 0.0), (2, 0.0))
+  assert parse_decoding('4:0.6, 1, 1:0.6, 2:0') == (
+    BeamEntry(4, 0.6),
+    BeamEntry(1, 0.0),
+    BeamEntry(2, 0.0),
+  )
   for bad in ('4', '0:0.6', '4:-1', '4:nan', 'x', ''):
-    with pytest.raises(UserInputError, match='--decoding must be comma-separated beam_size:alpha'):
+    with pytest.raises(UserInputError, match='--decoding must be comma-separated entries'):
       parse_decoding(bad)
   assert [batch_buckets(n) for n in (1, 4, 6, 16)] == [
     [1],
@@ -404,7 +344,12 @@ BAD_REQUESTS = [
   (b'{"text": ["one"], "alpha": NaN}', 400, 'the body is not JSON: NaN is not JSON'),
   ([1, 2], 400, 'the body must be a JSON object, got array [1, 2]'),
   ({}, 400, 'missing field "text"'),
-  ({'text': ['one'], 'beam': 4}, 400, 'unknown field(s) beam: expected text, beam_size, alpha'),
+  (
+    {'text': ['one'], 'beam': 4},
+    400,
+    'unknown field(s) beam: expected text, beam_size, alpha, num_hypotheses, sampling, '
+    'sampling_temperature, sampling_topk, sampling_topp, seed, mbr, target_prefix, scores',
+  ),
   ({'text': 'one'}, 400, '"text" must be a list of strings, got string "one"'),
   ({'text': ['one', 3]}, 400, '"text"[1] must be a string, got number 3'),
   (b'{"text": ["\\ud800"]}', 400, '"text"[0] is not valid Unicode (a lone surrogate)'),

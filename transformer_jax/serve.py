@@ -2,6 +2,7 @@
 
     python -m transformer_jax.serve --workdir=DIR [--port=8000] [--engine=jax|ctranslate2]
     curl -s localhost:8000/v1/translate --json '{"text": ["one hundred"], "beam_size": 4}'
+    curl -s localhost:8000/v1/translate --json '{"text": ["one"], "num_hypotheses": 2}'
 
 POST /v1/translate, POST /v1/attention, GET /healthz, GET /metrics (JSON) and a page at / that
 shows a translation and its cross-attention. Binds to 127.0.0.1 unless --host says otherwise;
@@ -90,8 +91,20 @@ def _define_flags():
   flags.DEFINE_string(
     'decoding',
     defaults.decoding,
-    'The beam_size:alpha pairs requests may use, all compiled at start-up; the first is the '
-    'default (1 = greedy).',
+    'The modes requests may use, all compiled at start-up; the first is the default. Comma '
+    'list of beam_size:alpha pairs (1 = greedy; n-best lists and MBR over them included) and '
+    'sampling entries, sampling[:topk=K+K...][:draws=N+N...][:temperature][:topp]: the top-k '
+    'values (default 0: none) and draws per text (num_hypotheses, or mbr N; default 1) '
+    'allowed, temperature/topp: any value, else 1 (each a program of its own); :prefix after '
+    'any entry allows target_prefix with it. E.g. 4:0.6:prefix,1:0,sampling:topk=0+40:draws=1+8',
+  )
+  flags.DEFINE_integer(
+    'max_hypotheses',
+    defaults.max_hypotheses,
+    'Most hypotheses a request may ask for per text (num_hypotheses; beam search: <= beam_size).',
+  )
+  flags.DEFINE_integer(
+    'max_mbr', defaults.max_mbr, 'Most MBR candidates a request may ask for per text (mbr).'
   )
   flags.mark_flags_as_required(['workdir'])
 
@@ -108,6 +121,8 @@ def main(argv):
     max_chars=FLAGS.max_chars,
     timeout_s=FLAGS.timeout_s,
     decoding=FLAGS.decoding,
+    max_hypotheses=FLAGS.max_hypotheses,
+    max_mbr=FLAGS.max_mbr,
     header_timeout_s=FLAGS.header_timeout_s,
     body_timeout_s=FLAGS.body_timeout_s,
     allowed_hosts=FLAGS.allowed_hosts,

@@ -141,9 +141,11 @@ def hypotheses(
   (rescored whole, with score_batch). Sampled scores are the model's own log-probs (temperature
   1, unfiltered), as ours.
 
-  seed: `ctranslate2.set_random_seed(seed)` first (None: left as it is). CTranslate2 has one
-  generator per process: its draws depend on the batch and on earlier calls, and never equal
-  ours (another random stream); only their distribution does.
+  seed: `ctranslate2.set_random_seed(seed)` first (None: left as it is). In CTranslate2 4.8 that
+  seeds the generators of Translators created afterwards, not of this one (measured: two calls
+  after the same seed draw differently; a Translator created after it repeats its draws): its
+  draws are reproducible only from a fresh Translator, depend on the batch and on earlier calls,
+  and never equal ours (another random stream); only their distribution does.
   """
   options = DecodingOptions(
     beam_size=beam_size,

@@ -251,7 +251,7 @@ class Translator:
   ) -> list[list[Hypothesis]]:
     """The batch loop of translate and hypotheses: encode, sort by length, decode each batch
     (`_decode_batch`), return in input order. `scored`: greedy's log-probabilities are computed
-    (one teacher-forced pass; the other searches have them for free)."""
+    (by greedy as top-k 1 sampling; the other searches have them anyway)."""
     jobs = batches.encode_sources(sentences, self.tokenizer, self.model_config.max_len)
     if target_prefix is not None:
       batches.add_prefixes(jobs, target_prefix, self.target_tokenizer, len(sentences))
@@ -284,7 +284,7 @@ class Translator:
     arrays = batches.pad(batch, rows, self.model_config.max_len)
     forcing = (arrays.prefix, arrays.prefix_lengths)
     log_probs = None  # [rows, candidates]
-    if options.mode == 'greedy':
+    if options.mode == 'greedy' and not scored:
       tokens = np.asarray(
         self._greedy(self.params, arrays.src, *forcing, max_decode_len=arrays.max_decode_len)
       )[:, None]  # [rows, 1, L]
@@ -301,9 +301,13 @@ class Translator:
       )
       tokens, scores = np.asarray(tokens), np.asarray(scores, np.float64)  # [rows, k, L], [rows, k]
     else:
+      # Sampling; and greedy with its log-probabilities, as top-k 1 sampling: the argmax at every
+      # step (ties: the lower id, as argmax), caps and prefixes as greedy's, and each output's
+      # log-probability from the same loop instead of a second, teacher-forced pass.
       draws = options.candidates
       repeat = lambda x: None if x is None else np.repeat(x, draws, axis=0)  # noqa: E731
       keys = batches.sampling_keys(options.seed, [job.position for job in batch], rows, draws)
+      greedy = options.mode == 'greedy'
       tokens, log_probs = self._sample(
         self.params,
         repeat(arrays.src),
@@ -313,17 +317,14 @@ class Translator:
         repeat(arrays.prefix_lengths),
         np.float32(options.sampling_temperature),
         np.float32(options.sampling_topp),
-        top_k=options.sampling_topk,
-        tempered=options.sampling_temperature != 1,
-        nucleus=options.sampling_topp < 1,
+        top_k=1 if greedy else options.sampling_topk,
+        tempered=options.sampling_temperature != 1 and not greedy,
+        nucleus=options.sampling_topp < 1 and not greedy,
         max_decode_len=arrays.max_decode_len,
       )
       # [rows * draws, L] -> [rows, draws, L]: sentence-major, as repeated.
       tokens = np.asarray(tokens).reshape(rows, draws, -1)
       log_probs = np.asarray(log_probs, np.float64).reshape(rows, draws)
-    greedy_sums = None
-    if options.mode == 'greedy' and scored:
-      greedy_sums = self._score_outputs(batch, tokens[:, 0], arrays.max_lengths)
     found = []
     for row, job in enumerate(batch):
       # Greedy runs to the batch's longest cap; each output keeps its own (EOS counted).
@@ -339,8 +340,6 @@ class Translator:
         pieces = [pieces[c] for c in kept]
       elif log_probs is not None:
         sums = [float(v) for v in log_probs[row]]
-      elif greedy_sums is not None:
-        sums = [greedy_sums[row]]
       else:
         sums = [math.nan]
       found.append(self._rank(pieces, sums, options))
@@ -361,23 +360,12 @@ class Translator:
     if options.mbr:
       from transformer_jax.inference import mbr  # sacrebleu's chrF: only for MBR.
 
+      candidates = candidates[: options.candidates]  # Beam search's N best of its beam_size.
+
       _, utilities = mbr.select([h.text for h in candidates])
       ranked = sorted(range(len(candidates)), key=lambda c: -utilities[c])
       candidates = [dataclasses.replace(candidates[c], utility=float(utilities[c])) for c in ranked]
     return candidates[: options.num_hypotheses]
-
-  def _score_outputs(self, batch, tokens, max_lengths) -> list[float]:
-    """log P(output pieces, EOS | source) of each row's output, by one teacher-forced pass
-    (greedy's scores; the other searches have them for free)."""
-    from transformer_jax.inference import scoring  # It imports this module.
-
-    pairs = [
-      (job.ids, ids[: max_lengths[row] - 1] + [EOS_ID])
-      for row, (job, ids) in enumerate(
-        zip(batch, strip_after_eos(tokens[: len(batch)], EOS_ID, pad_id=PAD_ID))
-      )
-    ]
-    return [result['log_prob'] for result in scoring.score_encoded(self, pairs)]
 
   def score(
     self, sources: Sequence[str], targets: Sequence[str], *, per_token: bool = False

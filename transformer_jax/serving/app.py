@@ -1,6 +1,10 @@
 """The translation server behind `python -m transformer_jax.serve`: HTTP on Starlette + uvicorn.
 
     POST /v1/translate  {"text": [...], "beam_size": 4, "alpha": 0.6} -> {"translations": [...]}
+                        (and `DecodingOptions`' other fields, "target_prefix" and "scores":
+                        n-best lists, sampling, MBR and prefixes, in the modes --decoding
+                        serves: `decoding_modes.py`; with several hypotheses or "scores",
+                        "hypotheses" too: per text, [{"text", "log_prob", "score", ...}])
     POST /v1/attention  {"text": "...", ...} -> the translation and its cross-attention maps
     GET  /healthz, GET /metrics (JSON), GET / (a page: translation and attention heatmap)
 
@@ -54,14 +58,8 @@ from transformer_jax.common.errors import (
   is_number,
 )
 from transformer_jax.serving import ctranslate2_engine, guards
-from transformer_jax.serving.batcher import (
-  Batcher,
-  Closed,
-  DecodingKey,
-  Engine,
-  Metrics,
-  QueueFull,
-)
+from transformer_jax.serving.batcher import Batcher, Closed, Engine, Metrics, QueueFull
+from transformer_jax.serving.decoding_modes import OPTION_FIELDS, Served
 from transformer_jax.serving.jax_engine import CompileCounter, JaxEngine
 
 ENGINES = ('jax', 'ctranslate2')
@@ -75,7 +73,7 @@ _PAGE_POLICY = (
 
 @dataclasses.dataclass(frozen=True)
 class ServerOptions:
-  """The server's limits; `decoding` lists the (beam_size:alpha) pairs requests may ask for."""
+  """The server's limits; `decoding` lists the modes requests may ask for (`decoding_modes`)."""
 
   host: str = '127.0.0.1'
   port: int = 8000
@@ -86,6 +84,9 @@ class ServerOptions:
   max_chars: int = 1000
   timeout_s: float = 30.0
   decoding: str = '4:0.6,1:0'
+  # Most hypotheses a request may ask for per text (num_hypotheses), and MBR candidates (mbr).
+  max_hypotheses: int = 8
+  max_mbr: int = 16
   # Seconds a client has to send a request's headers, then its body (see guards.py).
   header_timeout_s: float = 10.0
   body_timeout_s: float = 30.0
@@ -99,8 +100,8 @@ class ServerOptions:
   ctranslate2_dir: str | None = None
   intra_threads: int | None = None
 
-  def check(self) -> tuple[DecodingKey, ...]:
-    """One-line errors for impossible settings; returns the served decoding options."""
+  def check(self) -> Served:
+    """One-line errors for impossible settings; returns the served decoding modes."""
     check_positive_integer('--max_batch_size', self.max_batch_size)
     check_number_at_least('--max_wait_ms', self.max_wait_ms, 0)
     check_positive_integer('--max_queue', self.max_queue)
@@ -116,36 +117,12 @@ class ServerOptions:
       check_positive_integer('--intra_threads', self.intra_threads)
     if self.port > 65535:
       raise UserInputError(f'--port must be at most 65535, got {self.port}')
-    return parse_decoding(self.decoding)
+    return Served.parse(self.decoding, self.max_hypotheses, self.max_mbr)
 
 
-def parse_decoding(text: str) -> tuple[DecodingKey, ...]:
-  """'4:0.6,1:0' -> ((4, 0.6), (1, 0.0)); the first pair is the default. Beam 1 is greedy,
-  which has no length penalty: its alpha is always 0."""
-  options: list[DecodingKey] = []
-  for part in text.split(','):
-    beam, _, alpha = part.strip().partition(':')
-    try:
-      key = decoding_key(int(beam), float(alpha or 0))
-    except ValueError:
-      key = None
-    if key is None or (key[0] > 1 and not alpha):
-      raise UserInputError(
-        f'--decoding must be comma-separated beam_size:alpha pairs like 4:0.6,1:0, got {text!r}'
-      )
-    if key not in options:
-      options.append(key)
-  return tuple(options)
-
-
-def decoding_key(beam_size: int, alpha: float) -> DecodingKey | None:
-  if beam_size < 1 or not math.isfinite(alpha) or alpha < 0:
-    return None
-  return (beam_size, 0.0 if beam_size == 1 else float(alpha))
-
-
-def describe(key: DecodingKey) -> str:
-  return 'beam_size=1 (greedy)' if key[0] == 1 else f'beam_size={key[0]} alpha={key[1]:g}'
+# The fields each route reads; any other is refused (a misspelt option would go unnoticed).
+_ATTENTION_FIELDS = ('text', 'beam_size', 'alpha')
+_TRANSLATE_FIELDS = ('text', *OPTION_FIELDS, 'target_prefix', 'scores')
 
 
 class RequestError(Exception):
@@ -174,7 +151,7 @@ class Service:
   ):
     self.engine = engine
     self.options = options
-    self.decoding = options.check()
+    self.served = options.check()
     self.compile_counter = compile_counter
     self.compilations_at_ready = self._compilations()
     self.warmup_s = warmup_s
@@ -217,24 +194,47 @@ class Service:
       in_flight=in_flight,
       compilations=compilations,
       compilations_since_ready=compilations - self.compilations_at_ready,
+      compilations_by_mode=self._compilations_by_mode(),
       persistent_cache_hits=getattr(self.compile_counter, 'persistent_cache_hits', 0),
       warmup_s=round(self.warmup_s, 3),
       engine=self.engine.name,
       max_batch_size=self.options.max_batch_size,
       batch_buckets=getattr(self.engine, 'buckets', None),
-      decoding=[{'beam_size': beam, 'alpha': alpha} for beam, alpha in self.decoding],
+      decoding=[entry.as_dict() for entry in self.served.entries],
+      max_hypotheses=self.served.max_hypotheses,
+      max_mbr=self.served.max_mbr,
     )
     return JSONResponse(snapshot)
+
+  def _compilations_by_mode(self) -> dict[str, int]:
+    if self.compile_counter:
+      return dict(sorted(self.compile_counter.by_mode.items()))
+    return self.engine.compilations_by_mode()
 
   async def translate(self, request: Request) -> JSONResponse:
     async def work(payload: dict[str, Any]) -> dict[str, Any]:
       sentences = self._sentences(payload.get('text', None))
+      prefixes = self._prefixes(payload.get('target_prefix'), len(sentences))
+      scores = payload.get('scores', False)
+      if not isinstance(scores, bool):
+        raise RequestError(400, f'"scores" must be true or false, got {_kind(scores)}')
+      self._check_beam_fields(payload)
+      try:
+        options = self.served.options_of(payload, prefixed=prefixes is not None)
+        self.engine.check(sentences, options, prefixes)
+      except UserInputError as error:
+        raise RequestError(400, str(error)) from None
+      check_seed(self.engine, options, payload)
+      listed = scores or options.num_hypotheses > 1 or options.mbr > 0
       if not sentences:
-        return {'translations': []}
-      ticket = self.batcher.submit(sentences, self._decoding(payload))
-      return {'translations': await self._wait(ticket)}
+        return dict(translations=[], hypotheses=[]) if listed else dict(translations=[])
+      found = await self._wait(self.batcher.submit(sentences, options, prefixes))
+      answer: dict[str, Any] = {'translations': [best[0].text if best else '' for best in found]}
+      if listed:
+        answer.update(hypotheses=[[_rounded(h.as_dict()) for h in each] for each in found])
+      return answer
 
-    return await self._handle(request, work)
+    return await self._handle(request, work, _TRANSLATE_FIELDS)
 
   async def attention(self, request: Request) -> JSONResponse:
     async def work(payload: dict[str, Any]) -> dict[str, Any]:
@@ -242,23 +242,29 @@ class Service:
       if not isinstance(text, str) or not text.strip():
         raise RequestError(400, f'"text" must be a non-blank string, got {_kind(text)}')
       (source,) = self._sentences([text])
-      key = self._decoding(payload)
+      self._check_beam_fields(payload)
+      try:
+        options = self.served.options_of({**payload, 'sampling': False}, prefixed=False)
+      except UserInputError as error:
+        raise RequestError(400, str(error)) from None
       if not self.engine.has_attention:
         raise RequestError(501, f'the {self.engine.name} engine has no attention maps')
-      ticket = self.batcher.submit_job(functools.partial(self.engine.attention, source, *key))
-      return await self._wait(ticket)
+      attend = functools.partial(self.engine.attention, source, options.beam_size, options.alpha)
+      return await self._wait(self.batcher.submit_job(attend))
 
-    return await self._handle(request, work)
+    return await self._handle(request, work, _ATTENTION_FIELDS)
 
-  async def _handle(self, request: Request, work: Callable) -> JSONResponse:
+  async def _handle(
+    self, request: Request, work: Callable, fields: tuple[str, ...]
+  ) -> JSONResponse:
     """Parses the body, runs `work`, and answers: 200 with its result, or a JSON error."""
     began = time.perf_counter()
     try:
       payload = _json_object(await self._body(request))
-      unknown = sorted(set(payload) - {'text', 'beam_size', 'alpha'})
+      unknown = sorted(set(payload) - set(fields))
       if unknown:
         raise RequestError(
-          400, f'unknown field(s) {", ".join(unknown)}: expected text, beam_size, alpha'
+          400, f'unknown field(s) {", ".join(unknown)}: expected {", ".join(fields)}'
         )
       if 'text' not in payload:
         raise RequestError(400, 'missing field "text"')
@@ -303,7 +309,7 @@ class Service:
     return b''.join(chunks)
 
   def _sentences(self, text: Any) -> list[str]:
-    limit, max_chars = self.options.max_sentences, self.options.max_chars
+    limit = self.options.max_sentences
     if not isinstance(text, list):
       raise RequestError(400, f'"text" must be a list of strings, got {_kind(text)}')
     if len(text) > limit:
@@ -311,28 +317,45 @@ class Service:
     for index, sentence in enumerate(text):
       if not isinstance(sentence, str):
         raise RequestError(400, f'"text"[{index}] must be a string, got {_kind(sentence)}')
-      if len(sentence) > max_chars:
-        raise RequestError(
-          413, f'"text"[{index}] has {len(sentence)} characters; at most {max_chars}'
-        )
-      try:
-        sentence.encode('utf-8')
-      except UnicodeEncodeError:
-        raise RequestError(400, f'"text"[{index}] is not valid Unicode (a lone surrogate)')
+      self._check_text(f'"text"[{index}]', sentence)
     return text
 
-  def _decoding(self, payload: dict[str, Any]) -> DecodingKey:
-    beam_size = payload.get('beam_size', self.decoding[0][0])
-    alpha = payload.get('alpha', self.decoding[0][1])
+  def _check_text(self, name: str, text: str) -> None:
+    max_chars = self.options.max_chars
+    if len(text) > max_chars:
+      raise RequestError(413, f'{name} has {len(text)} characters; at most {max_chars}')
+    try:
+      text.encode('utf-8')
+    except UnicodeEncodeError:
+      raise RequestError(400, f'{name} is not valid Unicode (a lone surrogate)') from None
+
+  def _prefixes(self, prefixes: Any, count: int) -> list[str | None] | None:
+    """The request's target prefixes, one text or null per text; None when none is given."""
+    if prefixes is None:
+      return None
+    if not isinstance(prefixes, list):
+      raise RequestError(
+        400, f'"target_prefix" must be a list of strings or nulls, got {_kind(prefixes)}'
+      )
+    if len(prefixes) != count:
+      raise RequestError(
+        400, f'"target_prefix" must have one entry per text ({count}), got {len(prefixes)}'
+      )
+    for index, prefix in enumerate(prefixes):
+      if prefix is not None and not isinstance(prefix, str):
+        raise RequestError(
+          400, f'"target_prefix"[{index}] must be a string or null, got {_kind(prefix)}'
+        )
+      self._check_text(f'"target_prefix"[{index}]', prefix or '')
+    return prefixes if any(prefix and prefix.strip() for prefix in prefixes) else None
+
+  def _check_beam_fields(self, payload: dict[str, Any]) -> None:
+    """beam_size and alpha, as JSON types (`Served.options_of` checks the rest)."""
+    beam_size, alpha = payload.get('beam_size', 1), payload.get('alpha', 0)
     if not is_integer(beam_size) or beam_size < 1:
       raise RequestError(400, f'"beam_size" must be a positive integer, got {_kind(beam_size)}')
     if not is_number(alpha) or not alpha >= 0:
       raise RequestError(400, f'"alpha" must be a number >= 0, got {_kind(alpha)}')
-    key = decoding_key(beam_size, alpha)
-    if key not in self.decoding:
-      served = '; '.join(describe(option) for option in self.decoding)
-      raise RequestError(400, f'{describe(key)} is not served here; served: {served}')
-    return key
 
   async def _wait(self, ticket) -> Any:
     try:
@@ -345,6 +368,21 @@ class Service:
     if self.compile_counter:
       self.compile_counter.close()
     return self.batcher.close(timeout=self.options.timeout_s)
+
+
+def check_seed(engine: Engine, options, payload: dict[str, Any]) -> None:
+  """A sampling request's "seed" is refused by an engine whose draws it cannot determine."""
+  if options.sampling and 'seed' in payload and not engine.seeded_sampling:
+    raise RequestError(
+      400,
+      f'"seed" cannot be honoured by the {engine.name} engine: its draws are unseeded '
+      '(leave "seed" out, or serve with --engine=jax)',
+    )
+
+
+def _rounded(fields: dict[str, Any]) -> dict[str, Any]:
+  """A hypothesis' floats to 6 decimals: what float32 scores hold, and what people read."""
+  return {k: round(v, 6) if isinstance(v, float) else v for k, v in fields.items()}
 
 
 def _kind(value: Any) -> str:
@@ -482,7 +520,7 @@ def serve(
   began = time.perf_counter()
   if engine == 'jax':
     counter = CompileCounter()
-    loaded = JaxEngine.load(workdir, checkpoint, options.max_batch_size)
+    loaded = JaxEngine.load(workdir, checkpoint, options.max_batch_size, counter)
   else:
     counter = None  # CTranslate2 compiles nothing; restoring for the export is not serving.
     loaded, how = ctranslate2_engine.load(
@@ -516,8 +554,7 @@ def serve(
   sock.listen(config.backlog)  # Clients that come before uvicorn runs wait in the backlog.
   how = f'{counter.count} programs compiled' if counter else how
   print(
-    f'serving on http://{host}:{port} ({how} in {warmup_s:.1f} s; '
-    f'{", ".join(describe(key) for key in decoding)})',
+    f'serving on http://{host}:{port} ({how} in {warmup_s:.1f} s; {decoding.describe()})',
     file=sys.stderr,
     flush=True,
   )

@@ -3,9 +3,11 @@ one worker thread that decodes, and the server's counters. No JAX here (see `jax
 
 Requests wait in a bounded FIFO queue. The worker takes the oldest as soon as the queue holds
 the sentences it expects (below) or the oldest has waited `max_wait_s`, then more requests while
-they fit in one batch; their sentences are grouped by decoding options (beam size, alpha),
-sorted by length, and decoded `max_batch_size` at a time: one `Engine.translate` call per batch.
-Each request's future gets its own translations, in its own order.
+they fit in one batch; their sentences are grouped by decoding options (a request's key:
+`DecodingOptions`, seed included), sorted by length, and decoded `max_batch_size` at a time:
+one `Engine.decode` call per batch, each sentence with its own target prefix and its index in
+its own request (which sampling keys its draws by: a request's draws never depend on what it
+is batched with). Each request's future gets its own results, in its own order.
 
 What the worker expects is what the last round brought: the sentences it decoded plus those that
 arrived meanwhile (at most `max_batch_size`; `max_batch_size` before the first batch), and it
@@ -23,41 +25,70 @@ import concurrent.futures
 import dataclasses
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Sequence
 
 from absl import logging
 
-# (beam_size, alpha): sentences with different options are never decoded together.
-DecodingKey = tuple[int, float]
+if TYPE_CHECKING:  # Annotations only: this module runs without JAX.
+  from transformer_jax.inference.options import DecodingOptions
+  from transformer_jax.serving.decoding_modes import Served
+
+# A request's decoding options (`DecodingOptions`): sentences with different keys are never
+# decoded together. The batcher only compares them; the engine reads them.
+DecodingKey = Hashable
 
 
 class Engine:
   """What the server needs from a translation backend (`jax_engine.JaxEngine`,
   `ctranslate2_engine.CTranslate2Engine`).
 
-  `translate` is the one method an engine must have: at most `max_batch_size` sentences in,
-  one translation per sentence out, in order, '' for a blank sentence. The others have
-  defaults: sorting by characters, no warm-up, no compilation counter, no attention maps.
-  Every method is called from the batcher's one worker thread.
+  `decode` is the one method an engine must have: at most `max_batch_size` sentences in, one
+  result per sentence out, in order (a list of `Hypothesis`, best first; [] for a blank
+  sentence). The others have defaults: sorting by characters, no request checks, no warm-up,
+  no compilation counter, no attention maps. `check` is called by the request handlers; every
+  other method from the batcher's one worker thread.
   """
 
   name = 'engine'
   max_batch_size = 1
+  # Whether a sampling request's "seed" determines its draws (else a request giving one is a 400).
+  seeded_sampling = True
   has_attention = False  # Whether `attention` is implemented (else /v1/attention is a 501).
 
-  def translate(self, sentences: Sequence[str], beam_size: int, alpha: float) -> list[str]:
+  def decode(
+    self,
+    sentences: Sequence[str],
+    options: DecodingOptions,
+    target_prefix: Sequence[str | None] | None,
+    draw_positions: Sequence[int],
+  ) -> list:
+    """target_prefix: one text or None per sentence (None: no sentence has one);
+    draw_positions: each sentence's index in its own request."""
     raise NotImplementedError
+
+  def check(
+    self,
+    sentences: Sequence[str],
+    options: DecodingOptions,
+    target_prefix: Sequence[str | None] | None,
+  ) -> None:
+    """A UserInputError for what this engine cannot decode (a prefix too long, a mode it lacks),
+    before the request is queued: in a batch it would fail every request of the batch."""
 
   def length(self, sentence: str) -> int:
     """A sort key that groups sentences of similar decoding cost (tokens, ideally)."""
     return len(sentence)
 
-  def warm_up(self, options: Sequence[DecodingKey]) -> None:
-    """Compiles whatever `translate` with these options may need, before serving."""
+  def warm_up(self, served: Served) -> None:
+    """Compiles whatever `decode` with the served options may need, before serving."""
 
   def compilations(self) -> int:
     """Programs compiled so far (0 for an engine that never compiles)."""
     return 0
+
+  def compilations_by_mode(self) -> dict[str, int]:
+    """`compilations`, by the mode that compiled them ('beam', 'sampling', ...)."""
+    return {}
 
   def attention(self, source: str, beam_size: int, alpha: float) -> dict[str, Any]:
     raise NotImplementedError(f'the {self.name} engine has no attention maps')
@@ -73,10 +104,11 @@ class Closed(Exception):
 
 @dataclasses.dataclass(eq=False)
 class Ticket:
-  """One queued request: `future` resolves to its translations (or an engine's result)."""
+  """One queued request: `future` resolves to its results (or an engine's result)."""
 
   sentences: list[str]
   key: DecodingKey | None
+  target_prefix: list[str | None] | None = None  # one per sentence, or None for none
   job: Callable[[], Any] | None = None
   future: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
   enqueued: float = dataclasses.field(default_factory=time.monotonic)
@@ -179,9 +211,15 @@ class Batcher:
   def start(self) -> None:
     self._thread.start()
 
-  def submit(self, sentences: list[str], key: DecodingKey) -> Ticket:
+  def submit(
+    self,
+    sentences: list[str],
+    key: DecodingKey,
+    target_prefix: Sequence[str | None] | None = None,
+  ) -> Ticket:
     """Queues sentences for translation; raises QueueFull or Closed."""
-    return self._put(Ticket(list(sentences), key))
+    prefixes = None if target_prefix is None else list(target_prefix)
+    return self._put(Ticket(list(sentences), key, prefixes))
 
   def submit_job(self, job: Callable[[], Any]) -> Ticket:
     """Queues a call to run alone on the worker thread (e.g. attention maps)."""
@@ -284,12 +322,12 @@ class Batcher:
 
   def _decode(self, tickets: list[Ticket]) -> None:
     """One engine call per batch of one decoding key; each ticket gets its own answers."""
-    outputs = {id(ticket): [''] * len(ticket.sentences) for ticket in tickets}
+    outputs: dict[int, list] = {id(ticket): [None] * len(ticket.sentences) for ticket in tickets}
     groups: dict[DecodingKey, list[tuple[Ticket, int, int]]] = collections.defaultdict(list)
     for ticket in tickets:
       for index, sentence in enumerate(ticket.sentences):
         groups[ticket.key].append((ticket, index, self.engine.length(sentence)))
-    for (beam_size, alpha), entries in groups.items():
+    for key, entries in groups.items():
       entries.sort(key=lambda entry: entry[2])
       for start in range(0, len(entries), self.max_batch_size):
         chunk = entries[start : start + self.max_batch_size]
@@ -297,11 +335,20 @@ class Batcher:
         if not batch:
           continue
         began = time.perf_counter()
-        translations = self.engine.translate(
-          [ticket.sentences[index] for ticket, index, _ in batch], beam_size, alpha
+        prefixes = None
+        if any(ticket.target_prefix is not None for ticket, _, _ in batch):
+          prefixes = [
+            None if ticket.target_prefix is None else ticket.target_prefix[index]
+            for ticket, index, _ in batch
+          ]
+        results = self.engine.decode(
+          [ticket.sentences[index] for ticket, index, _ in batch],
+          key,
+          prefixes,
+          [index for _, index, _ in batch],
         )
         self.metrics.batch(len(batch), time.perf_counter() - began)
-        for (ticket, index, _), translation in zip(batch, translations, strict=True):
-          outputs[id(ticket)][index] = translation
+        for (ticket, index, _), result in zip(batch, results, strict=True):
+          outputs[id(ticket)][index] = result
     for ticket in tickets:
       ticket.future.set_result(outputs[id(ticket)])

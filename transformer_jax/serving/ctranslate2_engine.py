@@ -11,14 +11,20 @@ difference (a newer checkpoint, another --quantization, another ctranslate2) exp
 into a hidden sibling folder renamed into place, so the folder is always whole. A folder that
 holds files but no record (not written by the server) is refused rather than replaced.
 
-Decoding is `ctranslate2_runtime.translate` (GNMT ranking of CTranslate2's n-best, as ours):
-with float32 weights the server's translations are the jax engine's. CTranslate2 compiles
-nothing; one worker thread (the batcher's) calls it, with `intra_threads` OpenMP threads
-(`DEFAULT_THREADS`).
+Decoding is `ctranslate2_runtime.hypotheses` (GNMT ranking of CTranslate2's n-best, as ours):
+with float32 weights the server's translations are the jax engine's. n-best lists, scores,
+target prefixes and sampling (temperature, top-k, top-p) are CTranslate2's own; MBR is ours
+(`inference.mbr` over CTranslate2's candidates). Sampling is unseeded: CTranslate2 (4.8.5)
+seeds its worker threads' generators once, when the model is loaded, and
+`ctranslate2.set_random_seed` later changes none of their draws (two calls after the same
+seed draw differently), so a request that gives a "seed" is refused (`app.check_seed`) rather than
+answered with draws the seed does not determine. CTranslate2 compiles nothing; one worker
+thread (the batcher's) calls it, with `intra_threads` OpenMP threads (`DEFAULT_THREADS`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.util
 import json
@@ -33,8 +39,11 @@ from absl import logging
 from transformer_jax.common import paths
 from transformer_jax.common.errors import UserInputError
 from transformer_jax.exporters import ctranslate2_runtime, ctranslate2_spec
+from transformer_jax.inference import batches
+from transformer_jax.inference.options import DecodingOptions, Hypothesis
 from transformer_jax.inference.translator import Translator
-from transformer_jax.serving.batcher import DecodingKey, Engine
+from transformer_jax.serving.batcher import Engine
+from transformer_jax.serving.decoding_modes import Served
 from transformer_jax.workdir.layout import Workdir, check_folder_writable
 
 # The weight type users deploy: ~2.3x float32's speed on this CPU (issue 17), and >= 98% exact
@@ -156,6 +165,7 @@ class CTranslate2Engine(Engine):
   """A `ctranslate2.Translator` over an exported folder; nothing to compile, no attention maps."""
 
   name = 'ctranslate2'
+  seeded_sampling = False  # See the module docstring.
 
   def __init__(
     self, directory: str, max_len: int, max_batch_size: int, intra_threads: int | None = None
@@ -177,24 +187,74 @@ class CTranslate2Engine(Engine):
   def length(self, sentence: str) -> int:
     return len(self.sentencepiece.encode(sentence))
 
-  def translate(self, sentences: Sequence[str], beam_size: int, alpha: float) -> list[str]:
+  def check(
+    self,
+    sentences: Sequence[str],
+    options: DecodingOptions,
+    target_prefix: Sequence[str | None] | None,
+  ) -> None:
+    """A prefix that cannot fit its sentence, as the jax engine refuses it."""
+    if target_prefix is not None:
+      jobs = batches.encode_sources(sentences, self.sentencepiece, self.max_len)
+      name = lambda index: f'"target_prefix"[{index}]'  # noqa: E731
+      batches.add_prefixes(jobs, target_prefix, self.sentencepiece, len(sentences), name)
+
+  def decode(
+    self,
+    sentences: Sequence[str],
+    options: DecodingOptions,
+    target_prefix: Sequence[str | None] | None,
+    draw_positions: Sequence[int],
+  ) -> list[list[Hypothesis]]:
+    del draw_positions  # Draws are unseeded (module docstring): nothing keys them.
     if len(sentences) > self.max_batch_size:
       raise ValueError(f'{len(sentences)} sentences in one batch; at most {self.max_batch_size}')
-    return ctranslate2_runtime.translate(
+    # MBR's candidates: its N draws, or the N best of the beam; ranked by utility below.
+    search = dataclasses.replace(
+      options, num_hypotheses=options.candidates if options.mbr else options.num_hypotheses
+    )
+    found = self._hypotheses(sentences, search, target_prefix)
+    if options.mbr:
+      found = [_mbr_ranked(candidates, options.num_hypotheses) for candidates in found]
+    return found
+
+  def _hypotheses(self, sentences, options: DecodingOptions, target_prefix):
+    return ctranslate2_runtime.hypotheses(
       self.translator,
       self.sentencepiece,
       sentences,
       max_len=self.max_len,
-      beam_size=beam_size,
-      alpha=alpha,
+      beam_size=options.beam_size,
+      alpha=options.alpha,
+      num_hypotheses=options.num_hypotheses,
+      target_prefix=target_prefix,
+      sampling=options.sampling,
+      sampling_temperature=options.sampling_temperature,
+      sampling_topk=options.sampling_topk,
+      sampling_topp=options.sampling_topp,
+      seed=None,  # Unseeded: see the module docstring.
       max_batch_size=self.max_batch_size,
     )
 
-  def warm_up(self, options: Sequence[DecodingKey]) -> None:
-    """One full batch per decoding option: CTranslate2 allocates its buffers on first use."""
+  def warm_up(self, served: Served) -> None:
+    """One full batch per served mode: CTranslate2 allocates its buffers on first use."""
     sentence = self.sentencepiece.decode(list(range(4, min(20, self.sentencepiece.vocab_size()))))
-    for beam_size, alpha in options:
-      self.translate([sentence] * self.max_batch_size, beam_size, alpha)
+    sentences = [sentence] * self.max_batch_size
+    for options, prefixed in served.warm_up_options():
+      if not prefixed:
+        self.decode(sentences, options, None, list(range(len(sentences))))
+
+
+def _mbr_ranked(candidates: list[Hypothesis], count: int) -> list[Hypothesis]:
+  """The `count` candidates of highest expected chrF against the others (`inference.mbr`),
+  best first, each with its utility; ties keep the candidates' order (as Translator ranks)."""
+  if not candidates:
+    return []
+  from transformer_jax.inference import mbr  # sacrebleu's chrF: only for MBR.
+
+  _, utilities = mbr.select([candidate.text for candidate in candidates])
+  ranked = sorted(range(len(candidates)), key=lambda c: -utilities[c])
+  return [dataclasses.replace(candidates[c], utility=float(utilities[c])) for c in ranked[:count]]
 
 
 def load(
