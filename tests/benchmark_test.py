@@ -12,13 +12,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer_jax.benchmark import ctranslate2_comparison, runner, training
+from transformer_jax.benchmark import ctranslate2_comparison, runner, toolkit, training
 from transformer_jax.benchmark import decoding as decode_benchmark
 from transformer_jax.benchmark import flops as flop_count
 from transformer_jax.benchmark import pipeline as input_benchmark
-from transformer_jax.benchmark.report import ctranslate2_table
+from transformer_jax.benchmark.report import ctranslate2_table, toolkit_table
 from transformer_jax.common.errors import UserInputError
 from transformer_jax.configs import default
+from transformer_jax.inference import scoring
 from transformer_jax.model.config import TransformerConfig
 from transformer_jax.model.transformer import Transformer, count_params
 
@@ -382,3 +383,94 @@ def test_run_trains_and_decodes_every_size_against_the_runs_fastest_peak(monkeyp
     assert row['peak_flops_used'] == 300e9
     assert row['mfu'] == pytest.approx(0.2) and row['mfu_best_step'] == pytest.approx(0.4)
     assert row['useful_mfu'] == pytest.approx(0.1)
+
+
+def test_toolkit_rows_time_every_variant_on_full_length_outputs():
+  """The toolkit rows (issue 27): every variant runs the same sentences to the length cap, the
+  scoring prototype gives the scoring program's values, CTranslate2's score_batch agrees with
+  ours, and each ratio is the per-round quotient the table prints."""
+  cfg = TransformerConfig(
+    vocab_size=50, d_model=16, d_ff=32, num_heads=2, num_encoder_layers=1, num_decoder_layers=2
+  )
+  dummy = jnp.ones((1, 1), jnp.int32)
+  params = Transformer(cfg).init(jax.random.PRNGKey(0), dummy, dummy)['params']
+  row = toolkit.benchmark_toolkit(
+    'toy',
+    cfg,
+    params,
+    batch_size=4,
+    source_length=8,
+    decode_length=6,
+    batches=2,
+    beam_size=3,
+    alpha=0.6,
+    rounds=2,
+    compare=['ctranslate2'],
+    peak_flops=1e11,
+    peak_probe=lambda: 2e11,  # Faster than the start's: the rows divide by the fastest.
+  )
+  assert set(row['variants']) == {
+    'greedy',
+    'score',
+    'score_program',
+    'score_program_where_mask',
+    'sampling',
+    'sampling_top_p',
+    'beam',
+    'nbest',
+    'ctranslate2_score_1_thread',
+    'ctranslate2_score_threads',
+  }
+  assert row['eos_suppressed'] and row['max_len'] == 8 and row['sentences'] == 8
+  for name, figures in row['variants'].items():
+    # EOS suppressed, max_len 8: every search runs to the cap, every pair scores 8 tokens.
+    assert figures['mean_output_tokens'] == 8, name
+    assert len(figures['seconds_each_round']) == 2
+    assert figures['sentences_per_second'] == pytest.approx(
+      8 / np.median(figures['seconds_each_round'])
+    )
+  assert row['ctranslate2']['max_sentence_log_prob_difference'] < 1e-4
+  assert set(row['ratios']) == set(toolkit.RATIOS)
+  for name, ratio in row['ratios'].items():
+    top, bottom, _ = toolkit.RATIOS[name]
+    seconds = [row['variants'][v]['seconds_each_round'] for v in (top, bottom)]
+    # Equal output lengths: the tokens/s ratios are the sentences/s ones.
+    each = [b / t for t, b in zip(*seconds)]
+    assert ratio['median'] == pytest.approx(np.median(each)), name
+    assert ratio['min'] <= ratio['median'] <= ratio['max']
+  # 2 batches padded to 8 + 8 tokens: the formula's forward FLOPs, a training step's third.
+  per_batch = flop_count.training_flops(cfg, [8] * 4, [8] * 4)['total'] / 3
+  assert row['forward_flops_per_sentence'] == pytest.approx(2 * per_batch / 8)
+  assert row['peak_flops_per_second'] == 2e11
+  score = row['variants']['score']
+  assert score['fraction_of_peak'] == pytest.approx(
+    2 * per_batch / np.median(score['seconds_each_round']) / 2e11
+  )
+  table = toolkit_table([row])
+  assert 'score_vs_greedy' in table and 'CTranslate2 score_batch, 1 thread' in table, table
+
+  src = np.array([[5, 6, 7, 1, 0, 0, 0, 0]], np.int32)
+  tgt = np.array([[8, 9, 1, 0, 0, 0, 0, 0]], np.int32)
+  model = Transformer(cfg.replace(max_len=8))
+  ours = scoring.jitted_target_log_probs(model, params, src, tgt)
+  prototype = toolkit._where_mask_log_probs(model, params, src, tgt)
+  np.testing.assert_allclose(prototype, ours, atol=1e-5)
+  assert np.all(np.asarray(ours)[0, 3:] == 0) and np.all(np.asarray(ours)[0, :3] < 0)
+
+
+def test_toolkit_section_runs_per_size_after_the_decoding_rows(monkeypatch):
+  calls = []
+  monkeypatch.setattr(
+    runner,
+    'benchmark_toolkit',
+    lambda name, model_config, params, **options: calls.append((name, options)) or {},
+  )
+  config = default.get_config()
+  config.model.num_encoder_layers = config.model.num_decoder_layers = 1  # A faster init.
+  report = runner.run(
+    config, runner.Options(sizes=['tiny'], sections=['toolkit'], peak_n=64, peak_repeats=1)
+  )
+  ((name, options),) = calls
+  assert name == 'tiny' and report['toolkit'] == [{}] and report['decoding'] == []
+  assert options['rounds'] == runner.Options().compare_rounds
+  assert options['peak_flops'] == report['peak']['flops_per_second']

@@ -27,7 +27,11 @@ def _define_flags():
   )
   defaults = runner.Options()
   flags.DEFINE_list('sizes', list(defaults.sizes), f'Model sizes, some of {", ".join(SIZES)}.')
-  flags.DEFINE_list('sections', list(defaults.sections), 'Parts to run: train, decode, pipeline.')
+  flags.DEFINE_list(
+    'sections',
+    list(defaults.sections),
+    'Parts to run: train, decode, pipeline, and toolkit (issue 27: scoring, sampling, n-best).',
+  )
   flags.DEFINE_string('json', '', 'Write the full report as JSON here.')
   flags.DEFINE_enum(
     'dtype',
@@ -105,12 +109,14 @@ def _define_flags():
     'compare',
     list(defaults.compare),
     "Engines that decode each untrained size's model and sources beside ours: ctranslate2 "
-    "(float32, as many threads as XLA uses; pip install -e '.[export]').",
+    "(float32, as many threads as XLA uses, and 1 thread for toolkit's scoring; "
+    "pip install -e '.[export]').",
   )
   flags.DEFINE_integer(
     'compare_rounds',
     defaults.compare_rounds,
-    'Alternating timed rounds of ours and the compared engine (medians reported).',
+    'Alternating timed rounds of ours and the compared engine, and of the toolkit rows '
+    '(medians reported).',
   )
 
 

@@ -43,7 +43,7 @@ def xla_cpu_threads() -> int:
   return os.cpu_count() or 1
 
 
-class _StandInVocabulary:
+class StandInVocabulary:
   """What `ctranslate2_spec.model_spec` reads of a tokenizer: one distinct piece per id."""
 
   path = '<benchmark: synthetic vocabulary>'
@@ -58,12 +58,16 @@ class _StandInVocabulary:
 
 def ctranslate2_translator(model_config: TransformerConfig, params, directory: str, threads: int):
   """A float32 `ctranslate2.Translator` of our parameters, saved in `directory`."""
-  ctranslate2 = require_ctranslate2()
-  vocabulary = _StandInVocabulary(model_config.vocab_size)
+  vocabulary = StandInVocabulary(model_config.vocab_size)
   spec = ctranslate2_spec.model_spec(model_config, params, vocabulary)
   spec.optimize(quantization='float32')
   spec.save(directory)
-  return ctranslate2.Translator(
+  return open_ctranslate2(directory, threads)
+
+
+def open_ctranslate2(directory: str, threads: int):
+  """The float32 `ctranslate2.Translator` of a model saved in `directory`, on `threads` cores."""
+  return require_ctranslate2().Translator(
     directory, device='cpu', compute_type='float32', intra_threads=threads, inter_threads=1
   )
 
@@ -120,7 +124,7 @@ def compare_setting(
   rounds: int,
 ) -> dict:
   """One decoding setting, both engines, `rounds` interleaved rounds over all `sources`."""
-  pieces = _StandInVocabulary(model_config.vocab_size).pieces(range(model_config.vocab_size))
+  pieces = StandInVocabulary(model_config.vocab_size).pieces(range(model_config.vocab_size))
   decoder = _our_decoder(Transformer(model_config), beam_size, decode_length, alpha)
   batch_pieces = [_source_pieces(batch, pieces) for batch in sources]
   options = dict(

@@ -72,6 +72,71 @@ def ctranslate2_table(rows: Sequence[dict]) -> str:
   )
 
 
+_TOOLKIT_VARIANTS = {
+  'greedy': 'translate(beam_size=1)',
+  'score': 'score(sources, greedy outputs)',
+  'score_program': "score's program alone (padded batches)",
+  'score_program_where_mask': 'prototype: PAD mask by where, one log-sum-exp',
+  'ctranslate2_score_1_thread': 'CTranslate2 score_batch, 1 thread',
+  'ctranslate2_score_threads': 'CTranslate2 score_batch, {threads} threads',
+  'sampling': 'hypotheses(sampling=True)',
+  'sampling_top_p': 'hypotheses(sampling=True, sampling_topp={top_p})',
+  'beam': 'translate(beam_size={beam})',
+  'nbest': 'hypotheses(beam_size={beam}, num_hypotheses={beam})',
+}
+
+
+def toolkit_table(rows: Sequence[dict]) -> str:
+  """Issue 27's toolkit rows (`toolkit.py`): each variant's speed, then the asked-for ratios."""
+  first = rows[0]
+  variants, ratios = [], []
+  for r in rows:
+    threads = (r.get('ctranslate2') or {}).get('intra_threads')
+    for name, v in r['variants'].items():
+      label = _TOOLKIT_VARIANTS[name].format(threads=threads, top_p=r['top_p'], beam=r['beam_size'])
+      variants.append(
+        [
+          r['model'],
+          label,
+          f'{v["sentences_per_second"]:.1f}',
+          f'{v["tokens_per_second"]:.0f}',
+          f'{v["mean_output_tokens"]:.1f}',
+          f'{v["first_call_seconds"]:.1f}',
+          '-' if 'fraction_of_peak' not in v else f'{v["fraction_of_peak"]:.0%}',
+        ]
+      )
+    for name, q in r['ratios'].items():
+      target = q['target']
+      ratios.append(
+        [
+          r['model'],
+          name,
+          q['figure'].replace('_per_second', '/s'),
+          f'{q["median"]:.2f}x [{q["min"]:.2f}, {q["max"]:.2f}]',
+          '-' if target is None else f'>= {target:.2f}x',
+          '-' if target is None else ('yes' if q['median'] >= target else 'no'),
+        ]
+      )
+  loads = '; '.join(
+    f'{r["model"]} {r["load_average_before"][0]:.1f} -> {r["load_average_after"][0]:.1f}'
+    for r in rows
+  )
+  return '\n'.join(
+    [
+      f'toolkit (issue 27; Translator API, batch {first["batch_size"]}, {first["sentences"]} '
+      f'sentences, every output {first["max_len"]} tokens (EOS suppressed, length cap); '
+      f'{first["rounds"]} rotated rounds, medians; load average {loads}; of peak: '
+      'one forward pass of FLOPs per pair / the fastest peak product timed before the rounds)',
+      _table(
+        ['model', 'variant', 'sent/s', 'tok/s', 'tok/sent', 'first call s', 'of peak'], variants
+      ),
+      '',
+      'toolkit ratios (per round: median [min, max])',
+      _table(['model', 'ratio', 'of', 'measured', 'issue 27 asks', 'met'], ratios),
+    ]
+  )
+
+
 def format_report(report: dict) -> str:
   m, peak = report['machine'], report['peak']
   out = [
@@ -156,6 +221,8 @@ def format_report(report: dict) -> str:
   compared = [r for r in report.get('decoding', []) if r.get('ctranslate2')]
   if compared:
     out += [ctranslate2_table(compared), '']
+  if report.get('toolkit'):
+    out += [toolkit_table(report['toolkit']), '']
   if report.get('pipeline'):
     p = report['pipeline']
     out += [

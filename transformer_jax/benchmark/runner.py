@@ -17,6 +17,9 @@ to --json. Every rate is divided by limits measured in the same run:
     (`ctranslate2_comparison.py`).
   * input pipeline: examples/s and padding fraction of each batching mode, and the ratio to the
     examples/s the training step of the matching size consumes.
+  * toolkit (`--sections=toolkit`, not run by default): issue 27's scoring, sampling and n-best
+    through the `Translator` API beside greedy and beam search, and with --compare=ctranslate2
+    CTranslate2's score_batch (`toolkit.py`).
 
 Model FLOPs per training step: `flops.training_flops`; the formula and what each
 term counts are in flops.py's docstring.
@@ -53,6 +56,7 @@ from transformer_jax.benchmark.ctranslate2_comparison import (
 from transformer_jax.benchmark.decoding import benchmark_decoding, suppress_eos, trained_decoding
 from transformer_jax.benchmark.flops import FLOPS_FORMULA, PeakTimer
 from transformer_jax.benchmark.pipeline import benchmark_pipeline
+from transformer_jax.benchmark.toolkit import benchmark_toolkit
 from transformer_jax.benchmark.training import (
   SIZES,
   SizeSpec,
@@ -67,6 +71,8 @@ from transformer_jax.common.errors import UserInputError, is_integer
 from transformer_jax.model.transformer import Transformer
 from transformer_jax.training import host_memory
 from transformer_jax.workdir.layout import Workdir
+
+SECTIONS = ('train', 'decode', 'pipeline', 'toolkit')
 
 # Peak matmuls timed before each training step (best kept) for `mfu_paired_median`: enough to
 # catch the machine's speed of the moment, few enough not to lengthen a run much.
@@ -218,9 +224,9 @@ def _check_before_running(options: Options, json_path: str) -> None:
     if name not in SIZES:
       raise UserInputError(f'--sizes: unknown size {name!r}; expected some of {", ".join(SIZES)}')
   for section in options.sections:
-    if section not in ('train', 'decode', 'pipeline'):
+    if section not in SECTIONS:
       raise UserInputError(
-        f'--sections: unknown section {section!r}; expected some of train, decode, pipeline'
+        f'--sections: unknown section {section!r}; expected some of {", ".join(SECTIONS)}'
       )
   if options.pipeline_size and options.pipeline_size not in SIZES:
     raise UserInputError(
@@ -230,7 +236,7 @@ def _check_before_running(options: Options, json_path: str) -> None:
   for engine in options.compare:
     if engine not in ENGINES:
       raise UserInputError(f'--compare: unknown engine {engine!r}; expected {", ".join(ENGINES)}')
-    if 'decode' not in options.sections:
+    if 'decode' not in options.sections and 'toolkit' not in options.sections:
       raise UserInputError('--compare compares decoding: add decode to --sections')
     require_ctranslate2()
   if options.workdir and 'decode' in options.sections:
@@ -281,7 +287,7 @@ def run(
     )
     for name in options.sizes
   }
-  report['training'], report['decoding'] = [], []
+  report['training'], report['decoding'], report['toolkit'] = [], [], []
   steps_per_second = {}
   for name, spec in specs.items():
     params = None
@@ -300,12 +306,12 @@ def run(
       # The limit is the fastest the peak product ran at any point of the run: a start that
       # happened to be slow must not inflate every MFU.
       peak = max(peak, *row['peak_flops_each'])
+    if params is None and {'decode', 'toolkit'} & set(options.sections):
+      model = Transformer(spec.model_config)
+      dummy = jnp.ones((1, 1), jnp.int32)
+      params = model.init(jax.random.PRNGKey(options.seed), dummy, dummy)['params']
     if 'decode' in options.sections:
       progress(f'decoding: {name}')
-      if params is None:
-        model = Transformer(spec.model_config)
-        dummy = jnp.ones((1, 1), jnp.int32)
-        params = model.init(jax.random.PRNGKey(options.seed), dummy, dummy)['params']
       report['decoding'].append(
         synthetic_decoding(
           spec,
@@ -319,6 +325,27 @@ def run(
           seed=options.seed,
           compare=options.compare,
           compare_rounds=options.compare_rounds,
+          progress=progress,
+        )
+      )
+    if 'toolkit' in options.sections:
+      progress(f'toolkit: {name}')
+      report['toolkit'].append(
+        benchmark_toolkit(
+          name,
+          spec.model_config,
+          params,
+          batch_size=options.decode_batch_size,
+          source_length=options.decode_source_length,
+          decode_length=options.decode_length,
+          batches=options.decode_batches,
+          beam_size=options.beam_size,
+          alpha=options.alpha,
+          rounds=options.compare_rounds,
+          seed=options.seed,
+          compare=options.compare,
+          peak_flops=peak,
+          peak_probe=lambda: peak_timer.measure(_PAIRED_PEAK_REPEATS)['flops_per_second'],
           progress=progress,
         )
       )
