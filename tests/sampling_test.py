@@ -275,3 +275,44 @@ def test_sample_decode_on_a_random_model_top_k_one_is_greedy_and_scores_its_outp
   token_logp = np.take_along_axis(np.asarray(logp), tokens[..., None], axis=-1)[..., 0]
   written = tokens != tokenizer.PAD_ID
   np.testing.assert_allclose(log_probs, np.where(written, token_logp, 0).sum(1), rtol=1e-4)
+
+
+def _sorted_nucleus(logits, top_p):
+  """The nucleus by its definition: sort (ties: lower id first), keep while the mass before < p."""
+  keep = np.zeros(logits.shape, bool)
+  for row, values in enumerate(np.asarray(logits, np.float64)):
+    probs = np.exp(values - values.max())
+    probs /= probs.sum()
+    order = np.argsort(-probs, kind='stable')
+    before = np.cumsum(probs[order]) - probs[order]
+    keep[row, order] = before < top_p
+  return keep
+
+
+@pytest.mark.parametrize('top_p', [0.05, 0.5, 0.9, 0.999])
+def test_the_bisected_nucleus_is_the_sorted_one(top_p):
+  """filter_logits finds the nucleus without sorting (a bisection on probabilities): the same set
+  as the sort, ties at the boundary included in id order (rows of repeated values)."""
+  rng = np.random.default_rng(3)
+  logits = rng.normal(0, 3, (64, 500)).astype(np.float32)
+  logits[:8] = np.round(logits[:8])  # many exact ties
+  logits[8:12] = 0.0  # all equal: the first ceil(p * v) tokens
+  filtered = np.asarray(sampling.filter_logits(jnp.asarray(logits), top_p=top_p))
+  expected = _sorted_nucleus(logits, top_p)
+  found = np.isfinite(filtered)
+  # float32 sums in another order may move a token sitting exactly on the boundary.
+  differing = np.argwhere(found != expected)
+  assert len(differing) <= 1, differing
+  np.testing.assert_array_equal(filtered[found], logits[found])
+
+
+def test_draws_by_the_inverse_cdf_never_pick_a_filtered_token_and_fit_the_softmax():
+  logits = jnp.asarray([[0.0, -jnp.inf, 1.0, -jnp.inf, 2.0], [-jnp.inf] * 4 + [0.0]], jnp.float32)
+  keys = jax.random.split(jax.random.key(0), 20_000)
+  draws = np.asarray(
+    jax.vmap(lambda key: sampling._draw(jnp.stack([key, key]), logits))(keys)
+  )  # [draws, 2]
+  assert set(draws[:, 0]) == {0, 2, 4} and set(draws[:, 1]) == {4}
+  counts = np.bincount(draws[:, 0], minlength=5)[[0, 2, 4]]
+  expected = np.exp([0.0, 1.0, 2.0]) / np.exp([0.0, 1.0, 2.0]).sum() * len(draws)
+  assert stats.chisquare(counts, expected).pvalue > 1e-3
