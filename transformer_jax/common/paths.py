@@ -131,12 +131,9 @@ def staged_folder(directory: str) -> Iterator[str]:
       os.rename(staging, directory)
   except BaseException as error:
     # A library may still be creating files in the staging folder from a background thread
-    # when the error reaches us (orbax, seen under load): remove it until it stays removed.
-    for _ in range(20):
-      shutil.rmtree(staging, ignore_errors=True)
-      if not os.path.exists(staging):
-        break
-      time.sleep(0.1)
+    # when the error reaches us (orbax, seen under load, for over 2 s): remove it until it has
+    # stayed removed for half a second, for up to a minute.
+    _remove_until_it_stays_removed(staging)
     _raise_naming(error, directory)
     raise
   with contextlib.suppress(OSError):  # POSIX only.
@@ -145,6 +142,15 @@ def staged_folder(directory: str) -> Iterator[str]:
       os.fsync(fd)
     finally:
       os.close(fd)
+
+
+def _remove_until_it_stays_removed(folder: str, settle_s: float = 0.5, limit_s: float = 60) -> None:
+  deadline = time.monotonic() + limit_s
+  while True:
+    shutil.rmtree(folder, ignore_errors=True)
+    time.sleep(settle_s)
+    if not os.path.exists(folder) or time.monotonic() > deadline:
+      return
 
 
 def file_sha256(path: str | os.PathLike) -> str:
