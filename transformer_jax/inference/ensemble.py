@@ -12,6 +12,7 @@ encoding for.
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import jax
@@ -26,12 +27,7 @@ from transformer_jax.inference.decoding import (
   picked_log_probs,
   teacher_forcing_inputs,
 )
-from transformer_jax.inference.translator import (
-  BEAM_STATIC,
-  SAMPLE_STATIC,
-  Translator,
-  sampling_filters,
-)
+from transformer_jax.inference.translator import Translator
 from transformer_jax.model.cache import extend_cache, reorder_beams
 from transformer_jax.model.transformer import Transformer
 from transformer_jax.search import decode, sampling
@@ -213,8 +209,8 @@ def _check_same_vocabulary(workdirs: Sequence[Workdir]) -> None:
 
 class _EnsembleBatches(Translator):
   """Translator's tokenising, length bucketing, batching, ranking and detokenising, with the
-  ensemble's searches in place of one model's: `_build_programs` builds them over
-  `self.params`, here the members' parameters, a tuple."""
+  ensemble's searches in place of one model's (`_searches`) over `self.params`, here the
+  members' parameters, a tuple."""
 
   def __init__(self, translators: Sequence[Translator], weights, batch_size: int):
     first = translators[0]
@@ -230,53 +226,14 @@ class _EnsembleBatches(Translator):
       first.target_tokenizer,
     )
 
-  def _build_programs(self) -> None:
+  def _searches(self) -> tuple:
+    """The members' searches in place of one model's (`Translator._searches`)."""
     models, weights = self._models, self._weights
-    self._greedy = jax.jit(
-      lambda params, src, prefix, prefix_lengths, *, max_decode_len: ensemble_greedy_decode(
-        models,
-        params,
-        src,
-        max_decode_len=max_decode_len,
-        weights=weights,
-        prefix=prefix,
-        prefix_lengths=prefix_lengths,
-      ),
-      static_argnames=('max_decode_len',),
-    )
-    self._beam = jax.jit(
-      lambda params, src, max_lengths, prefix, prefix_lengths, **static: ensemble_beam_decode(
-        models,
-        params,
-        src,
-        max_lengths=max_lengths,
-        weights=weights,
-        prefix=prefix,
-        prefix_lengths=prefix_lengths,
-        **static,
-      ),
-      static_argnames=BEAM_STATIC,
-    )
-    self._sample = jax.jit(
-      lambda params, src, keys, max_lengths, prefix, prefix_lengths, temperature, top_p, **static: (
-        ensemble_sample_decode(
-          models,
-          params,
-          src,
-          keys=keys,
-          max_lengths=max_lengths,
-          weights=weights,
-          prefix=prefix,
-          prefix_lengths=prefix_lengths,
-          top_k=static['top_k'],
-          max_decode_len=static['max_decode_len'],
-          **sampling_filters(temperature, top_p, static['tempered'], static['nucleus']),
-        )
-      ),
-      static_argnames=SAMPLE_STATIC,
-    )
-    self._token_log_probs = jax.jit(
-      lambda params, src, tgt: ensemble_target_log_probs(models, params, src, tgt, weights)
+    return (
+      functools.partial(ensemble_greedy_decode, models, weights=weights),
+      functools.partial(ensemble_beam_decode, models, weights=weights),
+      functools.partial(ensemble_sample_decode, models, weights=weights),
+      lambda params, src, tgt: ensemble_target_log_probs(models, params, src, tgt, weights),
     )
 
 

@@ -43,11 +43,6 @@ BEAM_STATIC = ('beam_size', 'alpha', 'max_decode_len', 'rule')
 SAMPLE_STATIC = ('top_k', 'tempered', 'nucleus', 'max_decode_len')
 
 
-def sampling_filters(temperature, top_p, tempered: bool, nucleus: bool) -> dict:
-  """sample_decode's temperature and top_p keywords: each 1 (statically off) unless applied."""
-  return dict(temperature=temperature if tempered else 1.0, top_p=top_p if nucleus else 1.0)
-
-
 @dataclasses.dataclass(frozen=True)
 class AttentionMaps:
   """Attention weights of one sentence pair, per layer and head (rows: queries, sum to 1).
@@ -86,14 +81,23 @@ class Translator:
     self.batch_size = batch_size
     self._build_programs()
 
-  def _build_programs(self) -> None:
-    """The jitted searches every decoding mode runs (`_decode_batch`), one model's here; an
-    ensemble (`inference.ensemble`) builds its own over the same arguments. Shapes and the
-    keyword arguments are static: one program per batch shape and setting."""
+  def _searches(self) -> tuple:
+    """(greedy, beam, sample, target_log_probs): `decoding`'s functions bound to this model,
+    each taking the parameters first. An ensemble (`inference.ensemble`) returns its own."""
     model = self.model
+    return (
+      functools.partial(greedy_decode, model),
+      functools.partial(beam_decode, model),
+      functools.partial(sample_decode, model),
+      functools.partial(target_log_probs, model),
+    )
+
+  def _build_programs(self) -> None:
+    """The jitted searches every decoding mode runs (`_decode_batch`), over `_searches`. Shapes
+    and the keyword arguments are static: one program per batch shape and setting."""
+    greedy, beam, sample, log_probs = self._searches()
     self._greedy = jax.jit(
-      lambda params, src, prefix, prefix_lengths, *, max_decode_len: greedy_decode(
-        model,
+      lambda params, src, prefix, prefix_lengths, *, max_decode_len: greedy(
         params,
         src,
         max_decode_len=max_decode_len,
@@ -103,8 +107,7 @@ class Translator:
       static_argnames=('max_decode_len',),
     )
     self._beam = jax.jit(
-      lambda params, src, max_lengths, prefix, prefix_lengths, **static: beam_decode(
-        model,
+      lambda params, src, max_lengths, prefix, prefix_lengths, **static: beam(
         params,
         src,
         max_lengths=max_lengths,
@@ -116,8 +119,7 @@ class Translator:
     )
     self._sample = jax.jit(
       lambda params, src, keys, max_lengths, prefix, prefix_lengths, temperature, top_p, **static: (
-        sample_decode(
-          model,
+        sample(
           params,
           src,
           keys=keys,
@@ -126,14 +128,14 @@ class Translator:
           prefix_lengths=prefix_lengths,
           top_k=static['top_k'],
           max_decode_len=static['max_decode_len'],
-          **sampling_filters(temperature, top_p, static['tempered'], static['nucleus']),
+          # Each filter statically off (1) unless applied.
+          temperature=temperature if static['tempered'] else 1.0,
+          top_p=top_p if static['nucleus'] else 1.0,
         )
       ),
       static_argnames=SAMPLE_STATIC,
     )
-    self._token_log_probs = jax.jit(
-      lambda params, src, tgt: target_log_probs(model, params, src, tgt)
-    )
+    self._token_log_probs = jax.jit(log_probs)
 
   @classmethod
   def from_checkpoint(
