@@ -316,3 +316,66 @@ def test_draws_by_the_inverse_cdf_never_pick_a_filtered_token_and_fit_the_softma
   counts = np.bincount(draws[:, 0], minlength=5)[[0, 2, 4]]
   expected = np.exp([0.0, 1.0, 2.0]) / np.exp([0.0, 1.0, 2.0]).sum() * len(draws)
   assert stats.chisquare(counts, expected).pvalue > 1e-3
+
+
+def _nucleus_draws(logits, top_p, draws, seed=0):
+  """`draws` rejection draws from each row of logits [b, v]: int [draws, b]."""
+  keys = jax.random.split(jax.random.key(seed), draws)
+  draw = jax.jit(
+    jax.vmap(
+      lambda key: sampling._draw_from_nucleus(
+        jax.random.split(key, logits.shape[0]), jnp.asarray(logits), top_p
+      )
+    )
+  )
+  return np.asarray(draw(keys))
+
+
+@pytest.mark.parametrize('top_p', [0.05, 0.5, 0.9, 0.999])
+def test_nucleus_draws_by_rejection_stay_in_the_sorted_nucleus(top_p):
+  """The sampling loop draws from the nucleus by rejection (no mask is built): every draw lies
+  in the nucleus by its sorted definition, ties and all-equal rows included, and the rows that
+  needed rejections are many (the check is exercised, not only the first draw)."""
+  rng = np.random.default_rng(3)
+  logits = rng.normal(0, 3, (24, 300)).astype(np.float32)
+  logits[:4] = np.round(logits[:4])  # many exact ties
+  logits[4] = 0.0  # all equal: the first ceil(p * v) tokens by id
+  expected = _sorted_nucleus(logits, top_p)
+  draws = _nucleus_draws(logits, top_p, 400)  # [400, 24]
+  outside = np.argwhere(~expected[np.arange(24)[None, :], draws])  # [n, (draw, row)]
+  # A token sitting exactly on the boundary may fall either way in float32 (as for the mask).
+  assert len({(row, draws[draw, row]) for draw, row in outside}) <= 1, outside
+  plain = np.asarray(
+    jax.vmap(lambda key: sampling._draw(jax.random.split(key, 24), jnp.asarray(logits)))(
+      jax.random.split(jax.random.key(0), 400)
+    )
+  )
+  # Where the plain draw (the same first key) lands in the nucleus, it is the draw; elsewhere
+  # the row drew again.
+  first_inside = expected[np.arange(24)[None, :], plain]
+  changed = np.argwhere(first_inside & (draws != plain))  # [n, (draw, row)]
+  # Again up to one (row, token) on the boundary, which float32 may put outside.
+  assert len({(row, plain[draw, row]) for draw, row in changed}) <= 1, changed
+  if top_p < 0.999:
+    assert (~first_inside).sum() > 100
+
+
+def test_nucleus_draws_follow_the_renormalised_softmax_after_rejections():
+  """top_p 0.3 over 6 tokens: the first draw leaves the nucleus ~60% of the time; the accepted
+  draws still fit the nucleus's renormalised softmax (chi-square), and not the softmax over a
+  token more (so the test can fail)."""
+  logits = np.log(np.array([[0.2, 0.15, 0.25, 0.1, 0.18, 0.12]], np.float32))
+  draws = _nucleus_draws(logits, 0.3, 20_000)[:, 0]
+  probs = np.exp(logits[0].astype(np.float64))
+  nucleus = [2, 0]  # 0.25, then 0.2 (mass ahead 0.25 < 0.3); then 0.45 >= 0.3
+  assert set(np.unique(draws).tolist()) == set(nucleus)
+  observed = np.bincount(draws, minlength=6)[nucleus]
+  expected = probs[nucleus] / probs[nucleus].sum() * len(draws)
+  assert stats.chisquare(observed, expected).pvalue > 1e-3
+  assert stats.chisquare(observed, np.full(2, len(draws) / 2)).pvalue < 1e-6
+
+
+def test_a_nan_row_ends_the_nucleus_draw():
+  logits = jnp.asarray([[0.0, 1.0, 2.0], [jnp.nan, 0.0, 1.0]], jnp.float32)
+  drawn = sampling._draw_from_nucleus(jax.random.split(jax.random.key(0), 2), logits, 0.5)
+  assert int(drawn[0]) == 2  # the only token of the 0.5 nucleus (0.67 alone)
