@@ -126,3 +126,41 @@ def test_evaluate_report_elsewhere_has_bleu_and_no_categories():
   expected = sacrebleu.corpus_bleu(hypotheses, [references])
   assert lines[1] == str(expected) and lines[2].startswith('  signature: nrefs:1|case:mixed')
   assert lines[3].startswith('chrF2 = ')
+
+
+def test_tokenized_lowercase_bleu_is_multi_bleu_on_moses_tokens():
+  """Papers' Multi30k figure: case and the tokenizer's splits do not count, words do."""
+  references = ['Ein Mann mit einem Hut, der etwas anstarrt.', 'Zwei Hunde spielen im Schnee.']
+  # Lowercased output with punctuation glued differently: the same tokens after Moses.
+  relaxed = ['ein mann mit einem hut , der etwas anstarrt .', 'zwei hunde spielen im schnee .']
+  tokenized = metrics.tokenized_lowercase_bleu(relaxed, references, 'de')
+  assert tokenized.score == pytest.approx(100.0)
+  # sacreBLEU's cased, detokenized BLEU sees the case and gives far less.
+  assert score(relaxed, references)['bleu'] < 50
+  # A different word counts: the figure is BLEU over the tokens written out by hand.
+  changed = ['ein mann mit einem hut , der etwas ansieht .', 'zwei hunde spielen im schnee .']
+  expected = sacrebleu.metrics.BLEU(tokenize='none').corpus_score(
+    changed, [['ein mann mit einem hut , der etwas anstarrt .', 'zwei hunde spielen im schnee .']]
+  )
+  assert metrics.tokenized_lowercase_bleu(changed, references, 'de').score == pytest.approx(
+    expected.score, abs=1e-9
+  )
+  assert 0 < expected.score < 100
+
+
+def test_evaluate_reports_the_comparable_bleu_where_the_language_is_known():
+  sources, references = ['a', 'b'], ['Ein Hund rennt im Park.', 'Zwei Katzen schlafen.']
+  translator = _Echo({'a': 'ein hund rennt im park .', 'b': 'Zwei Katzen schlafen.'})
+  _, result = test_set.evaluate(translator, sources, references, dataset='text', language='de')
+  assert result['bleu_tokenized_lowercase'] == pytest.approx(100.0)
+  assert result['bleu'] < 100
+  lines = test_set.report_lines(result)
+  assert lines[3].startswith('comparable with papers: BLEU = 100.00')
+  assert 'Moses-tokenized (de)' in lines[4]
+  # Without the language (or on number words) the figure is left out.
+  _, plain = test_set.evaluate(translator, sources, references, dataset='text')
+  assert 'bleu_tokenized_lowercase' not in plain
+  _, words = test_set.evaluate(
+    translator, sources, references, dataset='number_words', language='de'
+  )
+  assert 'bleu_tokenized_lowercase' not in words

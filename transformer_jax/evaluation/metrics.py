@@ -16,15 +16,17 @@ from transformer_jax.common import text_io
 from transformer_jax.data import number_words
 
 
-def score(hypotheses: list[str], references: list[str]) -> dict:
-  """sacreBLEU corpus BLEU and chrF (default settings: 13a tokenization, mixed case)."""
+def score(hypotheses: list[str], references: list[str], language: str | None = None) -> dict:
+  """sacreBLEU corpus BLEU and chrF (default settings: 13a tokenization, mixed case) and, where
+  the target `language` is known, `tokenized_lowercase_bleu`'s figure as
+  'bleu_tokenized_lowercase' (with its text and description)."""
   hypotheses = text_io.without_byte_order_mark(hypotheses)
   references = text_io.without_byte_order_mark(references)
   bleu = sacrebleu.metrics.BLEU()
   chrf = sacrebleu.metrics.CHRF()
   bleu_score = bleu.corpus_score(hypotheses, [references])
   chrf_score = chrf.corpus_score(hypotheses, [references])
-  return {
+  result = {
     'bleu': bleu_score.score,
     'chrf': chrf_score.score,
     'bleu_text': str(bleu_score),
@@ -32,6 +34,39 @@ def score(hypotheses: list[str], references: list[str]) -> dict:
     'bleu_signature': str(bleu.get_signature()),
     'chrf_signature': str(chrf.get_signature()),
   }
+  if language:
+    tokenized = tokenized_lowercase_bleu(hypotheses, references, language)
+    result.update(
+      bleu_tokenized_lowercase=tokenized.score,
+      bleu_tokenized_lowercase_text=str(tokenized),
+      bleu_tokenized_lowercase_signature=TOKENIZED_LOWERCASE_BLEU.format(language=language),
+    )
+  return result
+
+
+# How the comparable figure is made, printed beside it (papers' tables give no signature).
+TOKENIZED_LOWERCASE_BLEU = (
+  'lowercased, Moses-normalised and Moses-tokenized ({language}) hypotheses and references, '
+  'corpus BLEU-4 on the tokens (multi-bleu.perl; sacremoses + sacreBLEU tokenize=none)'
+)
+
+
+def tokenized_lowercase_bleu(hypotheses: list[str], references: list[str], language: str):
+  """Corpus BLEU as papers on Multi30k report it (e.g. Wu et al., ACL 2021): both sides
+  lowercased, punctuation-normalised and tokenized as the dataset's preprocessing does
+  (`lowercase.perl | normalize-punctuation.perl -l L | tokenizer.perl -l L`, here sacremoses),
+  then BLEU-4 over the tokens with no further tokenization (what multi-bleu.perl computes).
+  Not comparable with sacreBLEU's detokenized figure, which `score` reports beside it."""
+  # Imported here: only evaluation needs it, and it loads its data files on import.
+  from sacremoses import MosesPunctNormalizer, MosesTokenizer
+
+  normalizer, tokenizer = MosesPunctNormalizer(lang=language), MosesTokenizer(lang=language)
+
+  def tokens(text: str) -> str:
+    return tokenizer.tokenize(normalizer.normalize(text.lower()), escape=False, return_str=True)
+
+  bleu = sacrebleu.metrics.BLEU(tokenize='none', force=True)
+  return bleu.corpus_score([tokens(h) for h in hypotheses], [[tokens(r) for r in references]])
 
 
 def is_number_words(dataset: str) -> bool:

@@ -29,6 +29,7 @@ def evaluate(
   alpha: float = 0.6,
   progress: bool = False,
   dataset: str | None = None,
+  language: str | None = None,
   beam_rule: str = 'exact',
   **options,
 ) -> tuple[list[str], dict]:
@@ -37,6 +38,8 @@ def evaluate(
   `exact_match_by_category`)) for aligned sources and references.
 
   dataset: the config.dataset the model was trained on, which says which scores mean something.
+  language: the target language (config.data.tgt_lang), for the tokenized, lowercased BLEU that
+  papers report (`metrics.tokenized_lowercase_bleu`); None leaves it out.
   progress: reports the sentences translated with rate and ETA (`Translator.translate`).
   translator: a `Translator` or an `Ensemble`; `options`: the other `DecodingOptions` fields
   (sampling and its settings, seed, mbr): the first hypothesis of each source is scored.
@@ -55,12 +58,13 @@ def evaluate(
   hypotheses = translator.translate(
     sources, beam_size=beam_size, alpha=alpha, beam_rule=beam_rule, progress=progress, **options
   )
-  result = score(hypotheses, references)
+  bleu_reported = dataset is None or bleu_is_meaningful(dataset)
+  result = score(hypotheses, references, language if bleu_reported else None)
   result['seconds'] = time.time() - start
   result['sentences'] = len(hypotheses)
   result['exact_matches'] = sum(h == r for h, r in zip(hypotheses, references))
   result['exact_match'] = result['exact_matches'] / max(len(references), 1)
-  result['bleu_reported'] = dataset is None or bleu_is_meaningful(dataset)
+  result['bleu_reported'] = bleu_reported
   categories = sentence_categories(dataset, sources) if dataset else None
   if categories is not None:
     result['by_category'] = exact_match_by_category(references, hypotheses, categories)
@@ -117,6 +121,7 @@ def evaluate_files(
   translator = model_choice.load(choice=choice, batch_size=batch_size)
   saved = Workdir(first_workdir).read_run_config_if_present() or {}
   dataset = saved.get('config', {}).get('dataset')
+  language = saved.get('config', {}).get('data', {}).get('tgt_lang')
   hypotheses, result = evaluate(
     translator,
     sources,
@@ -125,6 +130,7 @@ def evaluate_files(
     alpha=alpha,
     progress=True,
     dataset=dataset if isinstance(dataset, str) else None,
+    language=language if isinstance(language, str) else None,
     beam_rule=beam_rule,
     **options,
   )
@@ -175,6 +181,11 @@ def report_lines(result: dict) -> list[str]:
     lines += format_categories(result['by_category'])
   if result['bleu_reported']:
     lines += [result['bleu_text'], f'  signature: {result["bleu_signature"]}']
+    if 'bleu_tokenized_lowercase' in result:
+      lines += [
+        f'comparable with papers: {result["bleu_tokenized_lowercase_text"]}',
+        f'  computed on: {result["bleu_tokenized_lowercase_signature"]}',
+      ]
   else:
     lines.append('BLEU not reported: most outputs of this task are one word, with no 4-grams')
   lines += [result['chrf_text'], f'  signature: {result["chrf_signature"]}']

@@ -447,6 +447,32 @@ class Transformer(nn.Module):
       if packed or not deterministic:
         raise ValueError('cached decoding is deterministic and takes no segment ids')
       return self._cached_step(src_ids, tgt_in_ids)
+    features = self.decode_features(
+      encoded,
+      src_ids,
+      tgt_in_ids,
+      deterministic=deterministic,
+      src_segment_ids=src_segment_ids,
+      tgt_segment_ids=tgt_segment_ids,
+      tgt_positions=tgt_positions,
+    )
+    return self.output_logits(features)
+
+  def decode_features(
+    self,
+    encoded,
+    src_ids,
+    tgt_in_ids,
+    *,
+    deterministic: bool = True,
+    src_segment_ids=None,
+    tgt_segment_ids=None,
+    tgt_positions=None,
+  ):
+    """`decode` without the cache and without the output projection: the decoder stack's
+    output [b, t, m], which `output_logits` turns into logits [b, t, v] (scoring projects it in
+    chunks of rows: `inference.decoding.target_log_probs`)."""
+    packed = _check_segments(src_segment_ids, tgt_segment_ids)
     self._check_length(tgt_in_ids, 'target')
     cross_mask = padding_mask(tgt_in_ids, src_ids)
     if packed:
@@ -463,10 +489,10 @@ class Transformer(nn.Module):
       self_mask = self_mask & segment_mask(tgt_segment_ids, tgt_segment_ids)
     x = self.target_embedder(tgt_in_ids, positions, deterministic)
     x, _ = self.decoder_layers(x, encoded, self_mask, cross_mask, deterministic)
-    return self._output_logits(x)
+    return x
 
-  def _output_logits(self, x):
-    """Decoder output [..., m] -> float32 logits [..., v]."""
+  def output_logits(self, x):
+    """Decoder output [..., m] (`decode_features`) -> float32 logits [..., v]."""
     if self.config.pre_norm:
       x = self.decoder_norm(x)
     if self.config.share_embeddings:
@@ -527,7 +553,7 @@ class Transformer(nn.Module):
     self.put_variable('cache', 'self_attention', tuple(new_self_caches))
     if 'beam_of_position' in cache:
       self.put_variable('cache', 'beam_of_position', cache['beam_of_position'])
-    return self._output_logits(x)
+    return self.output_logits(x)
 
   def __call__(
     self,
