@@ -11,7 +11,7 @@ from transformer_jax.common.errors import UserInputError
 from transformer_jax.data import input_pipeline
 from transformer_jax.data.tokenizer import Tokenizer
 from transformer_jax.inference.translator import Translator
-from transformer_jax.training import loop, run_config
+from transformer_jax.training import loop, metric_writers, run_config
 from transformer_jax.training import step as training_step
 from transformer_jax.training import trainer as training_trainer
 from transformer_jax.workdir.layout import Workdir
@@ -53,6 +53,22 @@ def test_training_lowers_the_loss(tmp_path, data_dir):
   assert untrained['loss'] > 3.5, untrained  # ~log(96) minus the smoothing entropy.
   assert metrics['loss'] < 0.6 * untrained['loss'], (metrics, untrained)
   assert metrics['token_accuracy'] > 0.4, metrics
+  # What TensorBoard holds reads back without TensorFlow (bench/validation_curve.py's input).
+  scalars = metric_writers.read_scalars(tmp_path / 'tensorboard')
+  assert [step for step, _, _ in scalars['eval/loss']] == [80]
+  assert scalars['eval/loss'][0][2] == pytest.approx(metrics['loss'], rel=1e-6)
+  assert [step for step, _, _ in scalars['train/loss']] == list(range(4, 81, 4))
+
+
+def test_read_scalars_keeps_what_precedes_a_record_cut_short(tmp_path):
+  writer = metric_writers.MetricWriter(tmp_path, enabled=True)
+  for step in (1, 2, 3):
+    writer.write_scalars(step, {'eval/bleu': step * 10.0})
+  writer.close()
+  (events,) = tmp_path.glob('events.out.tfevents.*')
+  assert [v for _, _, v in metric_writers.read_scalars(tmp_path)['eval/bleu']] == [10, 20, 30]
+  events.write_bytes(events.read_bytes()[:-7])  # a crash in the middle of the last record
+  assert [v for _, _, v in metric_writers.read_scalars(tmp_path)['eval/bleu']] == [10, 20]
 
 
 def test_resume_with_a_different_model_is_refused(tmp_path, data_dir):

@@ -6,6 +6,7 @@ Only process 0 writes (on multi-host runs every process computes the same global
 from __future__ import annotations
 
 import os
+import struct
 import time
 
 import jax
@@ -97,3 +98,34 @@ class TrainingLog:
       + (f' | {skipped_steps} non-finite steps skipped' if skipped_steps else '')
     )
     self.restart_clock(step)
+
+
+def read_scalars(logdir: str | os.PathLike) -> dict[str, list[tuple[int, float, float]]]:
+  """The scalars `MetricWriter` wrote in `logdir`: {tag: [(step, wall time, value)]}, in the
+  order written (a resumed run's event files one after another), without TensorFlow.
+
+  An event file is a sequence of records: an 8-byte little-endian length, a 4-byte CRC of it,
+  the serialized `Event`, a 4-byte CRC of that (TFRecord; the CRCs are not checked: a record
+  cut short by a crash ends the file's reading instead).
+  """
+  from etils import epath
+  from tensorboardX.proto import event_pb2
+
+  scalars: dict[str, list[tuple[int, float, float]]] = {}
+  files = sorted(epath.Path(logdir).glob('events.out.tfevents.*'))
+  for path in files:
+    data = path.read_bytes()
+    offset = 0
+    while offset + 12 <= len(data):
+      (length,) = struct.unpack_from('<Q', data, offset)
+      record = data[offset + 12 : offset + 12 + length]
+      if len(record) < length:
+        break
+      offset += 12 + length + 4
+      event = event_pb2.Event.FromString(record)
+      for value in event.summary.value:
+        if value.HasField('simple_value'):
+          scalars.setdefault(value.tag, []).append(
+            (int(event.step), float(event.wall_time), float(value.simple_value))
+          )
+  return scalars
