@@ -40,7 +40,8 @@ from absl import app, flags  # noqa: E402
 from transformer_jax.benchmark import flops as flop_count  # noqa: E402
 from transformer_jax.benchmark import training  # noqa: E402
 from transformer_jax.configs import default  # noqa: E402
-from transformer_jax.model import matmul, transformer
+from transformer_jax.model import layers as transformer_layers  # noqa: E402
+from transformer_jax.model import matmul
 from transformer_jax.training import host_memory  # noqa: E402
 from transformer_jax.training import step as training_step  # noqa: E402
 from transformer_jax.training.trainer import Trainer
@@ -136,11 +137,11 @@ def _fused_qkv_attention(original):
     kernel = jnp.concatenate(kernels, axis=-1).astype(dtype)  # [m, h, 2 d_k + d_v]
     qkv = jnp.einsum('btm,mhd->bthd', query_inputs.astype(dtype), kernel)
     query, key, value = jnp.split(qkv, [cfg.head_qk_dim, 2 * cfg.head_qk_dim], axis=-1)
-    weights = transformer.dot_product_attention_weights(query, key, mask)  # [b, h, q, k]
+    weights = transformer_layers.dot_product_attention_weights(query, key, mask)  # [b, h, q, k]
     if cfg.attention_dropout_rate > 0.0 and not deterministic:
       weights = nn.Dropout(cfg.attention_dropout_rate)(weights, deterministic=False)
     heads = jnp.einsum('bhqk,bkhd->bqhd', weights.astype(dtype), value)
-    return transformer.Projection(
+    return transformer_layers.Projection(
       (cfg.d_model,), 2, ('heads', 'kv', 'embed'), dtype, use_bias=False, name='out'
     )(heads)
 
@@ -160,7 +161,7 @@ def _patched(variant):
   saved = (
     flax_stochastic.random.bernoulli,
     training_step.label_smoothed_cross_entropy,
-    transformer.MultiHeadAttention.__call__,
+    transformer_layers.MultiHeadAttention.__call__,
     matmul.row_major_kernel_grads,
   )
   try:
@@ -171,7 +172,7 @@ def _patched(variant):
     elif variant == 'onehot_loss':
       training_step.label_smoothed_cross_entropy = _onehot_loss
     elif variant == 'fused_qkv':
-      transformer.MultiHeadAttention.__call__ = _fused_qkv_attention(saved[2])
+      transformer_layers.MultiHeadAttention.__call__ = _fused_qkv_attention(saved[2])
     elif variant == 'autodiff_kernel_grads':
       matmul.row_major_kernel_grads = lambda: False
     with _traced_config(variant):
@@ -180,7 +181,7 @@ def _patched(variant):
     (
       flax_stochastic.random.bernoulli,
       training_step.label_smoothed_cross_entropy,
-      transformer.MultiHeadAttention.__call__,
+      transformer_layers.MultiHeadAttention.__call__,
       matmul.row_major_kernel_grads,
     ) = saved
 

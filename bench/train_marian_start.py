@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from transformer_jax.data.tokenizer import BOS_ID, PAD_ID
-from transformer_jax.model import transformer
+from transformer_jax.model import layers, transformer
 
 ZEROED = (PAD_ID, BOS_ID)
 
@@ -51,12 +51,12 @@ def _token_embedding(cfg, name):
     cfg.vocab_size,
     cfg.d_model,
     dtype=cfg.compute_dtype,
-    embedding_init=transformer._logical(init, ('vocab', 'embed')),
+    embedding_init=layers.logical_param(init, ('vocab', 'embed')),
     name=name,
   )
 
 
-transformer._token_embedding = _token_embedding
+transformer.token_embedding = _token_embedding
 TRAIN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'train.py')
 sys.argv[0] = TRAIN
 runpy.run_path(TRAIN, run_name='__main__')

@@ -26,14 +26,13 @@ from transformer_jax.model.inputs import (
   padding_mask,
   sinusoidal_positions,
 )
-from transformer_jax.model.transformer import (
+from transformer_jax.model.layers import (
   FeedForward,
   MultiHeadAttention,
   Projection,
-  Transformer,
-  count_params,
   dot_product_attention_weights,
 )
+from transformer_jax.model.transformer import Transformer, count_params
 
 VOCAB = 40  # distinct from every other dimension, so shape checks can find it
 TINY = TransformerConfig(

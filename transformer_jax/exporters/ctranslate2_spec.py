@@ -236,7 +236,7 @@ def model_spec(config: TransformerConfig, params, tokenizer: Tokenizer):
   spec = specs.TransformerSpec(encoder, decoder)
 
   encoder.embeddings[0].weight = _embedding(params, config, 'source')
-  encoder.scale_embeddings = True  # x sqrt(d_model), as model.transformer.Embedder.
+  encoder.scale_embeddings = True  # x sqrt(d_model), as model.layers.Embedder.
   encoder.position_encodings.encodings = position_table(config, params, 'source')
   layers = params['encoder_layers']
   for index, layer_spec in enumerate(encoder.layer):
