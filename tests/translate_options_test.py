@@ -291,6 +291,12 @@ def _bad_cases(workdir, tmp, source):
   if not other_vocab.exists():
     shutil.copytree(workdir, other_vocab)
     (other_vocab / 'vocab.model').write_bytes((other_vocab / 'vocab.model').read_bytes() + b'\0')
+  other_shape = tmp / 'other_shape'
+  if not other_shape.exists():
+    shutil.copytree(workdir, other_shape)
+    config = json.loads((other_shape / 'config.json').read_text())
+    config['model']['d_ff'] *= 2
+    (other_shape / 'config.json').write_text(json.dumps(config))
   long_prefix = _write(tmp / 'long.de', ['eins ' * 60, ''])
   short_prefix = _write(tmp / 'short.de', ['eins'])
   out = str(tmp / 'out.txt')
@@ -384,6 +390,11 @@ def _bad_cases(workdir, tmp, source):
       lambda: translate(workdir=None, models=f'{workdir},{other_vocab}'),
       r'ensemble members must share their vocabulary: .*vocab\.model \(sha256 \w+\) differs '
       r'from .*other/vocab\.model',
+    ),
+    (
+      lambda: translate(workdir=None, models=f'{workdir},{other_shape}'),
+      r'ensemble members must share their architecture: .* has d_ff=\d+, .*other_shape has '
+      r'd_ff=\d+',
     ),
     (
       lambda: scoring.score_files(workdir, source, two, output_path=out),

@@ -3,15 +3,21 @@ taking the log of the (weighted) mean of their probabilities (`search.ensemble`)
 
 What must agree: the vocabulary, byte for byte (the SHA-256 of each workdir's vocab.model, and
 of its target.spm where there is one), which fixes the vocabulary size and the BOS/EOS/PAD ids
-(`Tokenizer` refuses any other ids). What may differ: everything else of the architecture
-(depth, width, heads, dtype, ...): each member encodes the source with its own parameters and
-keeps its own cache. Members of different max_len translate within the smallest one: sources
-are truncated to it and outputs capped by it, so that no member reads a position it has no
-encoding for.
+(`Tokenizer` refuses any other ids); and the architecture (`model.config.architecture_fields`
+but max_len: depth, width, heads, normalisation, positions, ...), so that a member trained for
+another task or imported from elsewhere is not mixed in by a slip of a path. Both are read from
+the small files (vocab.model, config.json) before any parameters are restored; an error names
+both workdirs and the first field that differs. Nothing in the mixture needs equal shapes, so
+`mixed_architectures=True` (Python only) allows different architectures on purpose: each
+member encodes the source with its own parameters and keeps its own cache. What may always
+differ: the training-only fields (dropout, dtype, remat, attention kernel) and max_len: members
+of different max_len translate within the smallest one (sources truncated to it, outputs
+capped by it), so that no member reads a position it has no encoding for.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Sequence
 
@@ -29,6 +35,7 @@ from transformer_jax.inference.decoding import (
 )
 from transformer_jax.inference.translator import Translator
 from transformer_jax.model.cache import extend_cache, reorder_beams
+from transformer_jax.model.config import architecture_fields
 from transformer_jax.model.transformer import Transformer
 from transformer_jax.search import decode, sampling
 from transformer_jax.search.ensemble import (
@@ -207,6 +214,32 @@ def _check_same_vocabulary(workdirs: Sequence[Workdir]) -> None:
         )
 
 
+# Architecture fields an ensemble's members may differ in: the mixture only caps lengths by it.
+_MAY_DIFFER = ('max_len',)
+
+
+def check_same_architecture(named_configs: Sequence[tuple[str, dict]]) -> None:
+  """A one-line error naming both members and the first architecture field where a member's
+  model config (a dict, as config.json's 'model') differs from the first member's."""
+  (first_name, first), *others = named_configs
+  fields = [name for name in architecture_fields() if name not in _MAY_DIFFER]
+  for name, config in others:
+    for field in ['vocab_size', *fields]:
+      if first.get(field) != config.get(field):
+        raise UserInputError(
+          f'ensemble members must share their architecture: {first_name} has {field}='
+          f'{first.get(field)!r}, {name} has {field}={config.get(field)!r} (Python: '
+          'Ensemble(..., mixed_architectures=True) mixes them on purpose)'
+        )
+
+
+def _workdir_model_config(workdir: Workdir) -> dict:
+  config = workdir.read_run_config()
+  model = dict(config.get('model', {}))
+  model.setdefault('vocab_size', config.get('vocab_size'))
+  return model
+
+
 class _EnsembleBatches(Translator):
   """Translator's tokenising, length bucketing, batching, ranking and detokenising, with the
   ensemble's searches in place of one model's (`_searches`) over `self.params`, here the
@@ -241,10 +274,16 @@ class Ensemble:
   """Several `Translator`s sharing a vocabulary, translating as one: `.translate(list_of_str)
   -> list_of_str` (beam search, or greedy with beam_size=1), as `Translator.translate`.
 
-  weights: one positive number per member (normalised; None: uniform)."""
+  weights: one positive number per member (normalised; None: uniform). mixed_architectures:
+  allow members of different architectures (the module's docstring)."""
 
   def __init__(
-    self, translators: Sequence[Translator], weights: Sequence[float] | None = None, batch_size=64
+    self,
+    translators: Sequence[Translator],
+    weights: Sequence[float] | None = None,
+    batch_size=64,
+    *,
+    mixed_architectures: bool = False,
   ):
     translators = tuple(translators)
     if not translators:
@@ -258,6 +297,10 @@ class Ensemble:
           raise UserInputError(
             f'ensemble members must share their vocabulary: {ours.path} differs from {theirs.path}'
           )
+    if not mixed_architectures:
+      check_same_architecture(
+        [(f'member {i + 1}', dataclasses.asdict(t.model_config)) for i, t in enumerate(translators)]
+      )
     max_lens = sorted({t.model_config.max_len for t in translators})
     if len(max_lens) > 1:
       logging.info('ensemble members have max_len %s: translating within %d', max_lens, max_lens[0])
@@ -270,19 +313,24 @@ class Ensemble:
     members: Sequence[tuple[str, int | str | None] | str],
     weights: Sequence[float] | None = None,
     batch_size: int = 64,
+    *,
+    mixed_architectures: bool = False,
   ) -> 'Ensemble':
     """Loads each (workdir, checkpoint) pair (`Translator.from_checkpoint`; a bare workdir:
-    its default checkpoint). The vocabularies and weights are checked first, before any
-    parameters are read."""
+    its default checkpoint). The vocabularies, architectures and weights are checked first,
+    before any parameters are read."""
     members = [(member, None) if isinstance(member, str) else tuple(member) for member in members]
     if not members:
       raise UserInputError('an ensemble needs at least one member')
     check_weights(weights, len(members))
-    _check_same_vocabulary([Workdir(workdir) for workdir, _ in members])
+    workdirs = [Workdir(workdir) for workdir, _ in members]
+    _check_same_vocabulary(workdirs)
+    if not mixed_architectures:
+      check_same_architecture([(str(w), _workdir_model_config(w)) for w in workdirs])
     translators = [
       Translator.from_checkpoint(workdir, checkpoint, batch_size) for workdir, checkpoint in members
     ]
-    return cls(translators, weights, batch_size)
+    return cls(translators, weights, batch_size, mixed_architectures=mixed_architectures)
 
   @property
   def tokenizer(self) -> Tokenizer:
