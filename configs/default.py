@@ -104,6 +104,13 @@ def get_config() -> ml_collections.ConfigDict:
   # (paper: 25,000).
   config.tokens_per_batch = 4096
 
+  # Subword regularisation: 0 (the paper) segments every training sentence once, its best way;
+  # alpha > 0 segments the training pairs afresh every epoch by SentencePiece's sampling
+  # (BPE-dropout with merge dropout alpha for a BPE vocabulary, e.g. 0.1; unigram sampling with
+  # smoothing alpha). Evaluation and decoding keep the best segmentation. 'tokens' or 'packed'
+  # batching only (data/subword_sampling.py).
+  config.subword_sampling = 0.0
+
   # Gradient accumulation: each optimiser step runs this many micro-batches of the size above
   # one after another and sums their gradients, for an effective batch this many times larger
   # at the memory of one (e.g. the paper's 25,000 tokens as tokens_per_batch=3125 x 8).

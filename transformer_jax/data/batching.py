@@ -9,7 +9,9 @@ other, with segment ids (1..k within the row, 0 = padding) and positions restart
 pair, so the model can keep the pairs apart. One shape for every batch, little padding.
 
 Either way the plan for an epoch (which pairs go in which batch, and the order of batches) is
-a pure function of (seed, epoch), computed the same on every process; each process then
+a pure function of (seed, epoch) — and of the epoch's segmentation where the pairs are
+segmented afresh every epoch (`subword_sampling.SampledSplit`) — computed the same on every
+process; each process then
 materialises only its rows of each batch. So the iterator state is just a batch counter
 (grain's `{'next_index': k}`), a resumed run sees exactly the same batches, and all processes
 always feed arrays of the same shape.
@@ -20,6 +22,7 @@ from __future__ import annotations
 import bisect
 import sys
 import threading
+from typing import Callable
 
 import grain
 import numpy as np
@@ -49,37 +52,63 @@ def rows_for_budget(tokens_per_batch: int, length: int, row_multiple: int) -> in
   return max(row_multiple, tokens_per_batch // length // row_multiple * row_multiple)
 
 
+class _Lengths:
+  """One epoch's pair lengths (EOS included): each side, their maximum, and the pairs that fit."""
+
+  def __init__(self, source: np.ndarray, target: np.ndarray, max_length: int):
+    self.source, self.target = np.asarray(source), np.asarray(target)
+    self.both = np.maximum(self.source, self.target)
+    self.eligible = np.flatnonzero(self.both <= max_length)
+
+
 class _EpochPlan:
   """Shared machinery of a per-epoch plan: pairs that fit, the epoch cache, counter lookup.
 
-  Subclasses define `_plan_epoch(epoch, rng)` (the epoch's batches, in training order) and
-  `local_batch(split, batch, process_index, process_count)` (this process's arrays).
+  Subclasses define `_plan_epoch(epoch, rng, lengths)` (the epoch's batches, in training order)
+  and `local_batch(split, batch, process_index, process_count)` (this process's arrays).
+  `epoch_lengths(epoch) -> (source lengths, target lengths)`, where given, are each epoch's own
+  (pairs segmented afresh every epoch); the arrays given are then epoch 0's.
   """
 
   def __init__(
-    self, source_lengths: np.ndarray, target_lengths: np.ndarray, *, max_length: int, seed: int
+    self,
+    source_lengths: np.ndarray,
+    target_lengths: np.ndarray,
+    *,
+    max_length: int,
+    seed: int,
+    epoch_lengths: Callable[[int], tuple[np.ndarray, np.ndarray]] | None = None,
   ):
-    self.source_lengths = np.asarray(source_lengths)
-    self.target_lengths = np.asarray(target_lengths)
-    self.lengths = np.maximum(self.source_lengths, self.target_lengths)
-    self.eligible = np.flatnonzero(self.lengths <= max_length)
+    first = _Lengths(source_lengths, target_lengths, max_length)
+    self._first, self._max_length, self._epoch_lengths = first, max_length, epoch_lengths
+    self.source_lengths, self.target_lengths = first.source, first.target
+    self.lengths, self.eligible = first.both, first.eligible
     self.num_excluded = len(self.lengths) - len(self.eligible)  # Pairs longer than max_length.
     self.seed = seed
     self._epoch_sizes: list[int] = []
-    # (epoch, plan) in one field: grain reads batches from several threads.
-    self._cached: tuple[int, list] | None = None
+    # {epoch: plan} for the epoch and its neighbours, replaced whole: grain reads batches from
+    # several threads, which may straddle an epoch's end.
+    self._cached: dict[int, list] = {}
     self._lock = threading.Lock()
+
+  def lengths_of(self, epoch: int) -> _Lengths:
+    """The pair lengths the plan of `epoch` is made from."""
+    if self._epoch_lengths is None or epoch == 0:
+      return self._first
+    return _Lengths(*self._epoch_lengths(epoch), self._max_length)
 
   def epoch(self, epoch: int) -> list:
     """The batches of one epoch, in training order (a pure function of (seed, epoch))."""
     cached = self._cached
-    if cached is not None and cached[0] == epoch:
-      return cached[1]
-    batches = self._plan_epoch(epoch, np.random.default_rng([self.seed, epoch]))
-    self._cached = (epoch, batches)
+    if epoch in cached:
+      return cached[epoch]
+    rng = np.random.default_rng([self.seed, epoch])
+    batches = self._plan_epoch(epoch, rng, self.lengths_of(epoch))
+    kept = {e: plan for e, plan in cached.items() if abs(e - epoch) == 1}
+    self._cached = {**kept, epoch: batches}
     return batches
 
-  def _plan_epoch(self, epoch: int, rng: np.random.Generator) -> list:
+  def _plan_epoch(self, epoch: int, rng: np.random.Generator, lengths: _Lengths) -> list:
     raise NotImplementedError
 
   def local_batch(
@@ -117,8 +146,15 @@ class TokenBudgetPlan(_EpochPlan):
     max_length: int,
     seed: int,
     row_multiple: int = 1,
+    epoch_lengths: Callable[[int], tuple[np.ndarray, np.ndarray]] | None = None,
   ):
-    super().__init__(source_lengths, target_lengths, max_length=max_length, seed=seed)
+    super().__init__(
+      source_lengths,
+      target_lengths,
+      max_length=max_length,
+      seed=seed,
+      epoch_lengths=epoch_lengths,
+    )
     self.buckets = bucket_lengths(max_length)
     # Rows per bucket: the token budget over the padded length.
     self.rows = [rows_for_budget(tokens_per_batch, length, row_multiple) for length in self.buckets]
@@ -130,21 +166,23 @@ class TokenBudgetPlan(_EpochPlan):
     """[(bucket index, example indices)] for one epoch, in training order."""
     return super().epoch(epoch)
 
-  def _plan_epoch(self, epoch: int, rng: np.random.Generator) -> list[tuple[int, np.ndarray]]:
-    order = rng.permutation(self.eligible)
+  def _plan_epoch(
+    self, epoch: int, rng: np.random.Generator, lengths: _Lengths
+  ) -> list[tuple[int, np.ndarray]]:
+    order = rng.permutation(lengths.eligible)
     pool_size = _POOL_BATCHES * max(self.rows)
     pending: dict[int, list[int]] = {}
     batches = []
     for start in range(0, len(order), pool_size):
       pool = order[start : start + pool_size]
-      pool = pool[np.argsort(self.lengths[pool], kind='stable')]
+      pool = pool[np.argsort(lengths.both[pool], kind='stable')]
       # Sorted by length, the pool is a run of examples per bucket, in bucket order. Each run
       # tops up that bucket's pending examples and is cut into full batches of its rows; the
       # rest waits for the next pool. (Array slicing, not a loop per example: at WMT14 size,
       # 4.5M pairs, an epoch plans in well under a second.)
-      pool_buckets = np.searchsorted(self.buckets, self.lengths[pool], side='left')
+      pool_buckets = np.searchsorted(self.buckets, lengths.both[pool], side='left')
       for run in np.split(pool, np.flatnonzero(np.diff(pool_buckets)) + 1):
-        bucket = self.bucket_of(int(self.lengths[run[0]]))
+        bucket = self.bucket_of(int(lengths.both[run[0]]))
         members = np.concatenate([pending.get(bucket, run[:0]), run])
         rows = self.rows[bucket]
         full = len(members) // rows * rows
@@ -173,9 +211,10 @@ class TokenBudgetPlan(_EpochPlan):
   def padding_fraction(self, epoch: int = 0) -> float:
     """Fraction of the batches' source+target positions that are padding, over one epoch."""
     real = padded = 0
+    lengths = self.lengths_of(epoch)
     for bucket, members in self.epoch(epoch):
       padded += 2 * self.rows[bucket] * self.buckets[bucket]
-      real += int(self.source_lengths[members].sum() + self.target_lengths[members].sum())
+      real += int(lengths.source[members].sum() + lengths.target[members].sum())
     return 1.0 - real / max(padded, 1)
 
 
@@ -199,8 +238,11 @@ class PackedPlan(_EpochPlan):
     length: int,
     seed: int,
     pool_size: int = _PACKING_POOL_EXAMPLES,
+    epoch_lengths: Callable[[int], tuple[np.ndarray, np.ndarray]] | None = None,
   ):
-    super().__init__(source_lengths, target_lengths, max_length=length, seed=seed)
+    super().__init__(
+      source_lengths, target_lengths, max_length=length, seed=seed, epoch_lengths=epoch_lengths
+    )
     if rows < 1 or length < 1 or pool_size < 1:
       raise ValueError(f'rows={rows}, length={length}, pool_size={pool_size} must be positive')
     self.rows, self.length, self.pool_size = rows, length, pool_size
@@ -209,22 +251,24 @@ class PackedPlan(_EpochPlan):
     """[[example indices of each row] per batch] for one epoch, in training order."""
     return super().epoch(epoch)
 
-  def _plan_epoch(self, epoch: int, rng: np.random.Generator) -> list[list[np.ndarray]]:
-    order = rng.permutation(self.eligible)
+  def _plan_epoch(
+    self, epoch: int, rng: np.random.Generator, lengths: _Lengths
+  ) -> list[list[np.ndarray]]:
+    order = rng.permutation(lengths.eligible)
     rows: list[np.ndarray] = []
     for start in range(0, len(order), self.pool_size):
-      rows.extend(self._pack(order[start : start + self.pool_size]))
+      rows.extend(self._pack(order[start : start + self.pool_size], lengths))
     rows = [rows[i] for i in rng.permutation(len(rows))]
     return [rows[start : start + self.rows] for start in range(0, len(rows), self.rows)]
 
-  def _pack(self, pool: np.ndarray) -> list[np.ndarray]:
+  def _pack(self, pool: np.ndarray, lengths: _Lengths) -> list[np.ndarray]:
     """First-fit of the pool's pairs (in the pool's order) into rows of self.length."""
     # Room left per open row on each side; a pair opens at most one row.
     source_room = np.empty(len(pool), np.int64)
     target_room = np.empty(len(pool), np.int64)
     members: list[list[int]] = []
     for index in pool.tolist():
-      source, target = self.source_lengths[index], self.target_lengths[index]
+      source, target = lengths.source[index], lengths.target[index]
       fits = (source_room[: len(members)] >= source) & (target_room[: len(members)] >= target)
       row = int(fits.argmax()) if len(members) else 0
       if not len(members) or not fits[row]:
@@ -261,10 +305,9 @@ class PackedPlan(_EpochPlan):
   def padding_fraction(self, epoch: int = 0) -> float:
     """Fraction of the batches' source+target positions that are padding, over one epoch."""
     batches = self.epoch(epoch)
+    lengths = self.lengths_of(epoch)
     real = sum(
-      int(self.source_lengths[m].sum() + self.target_lengths[m].sum())
-      for batch in batches
-      for m in batch
+      int(lengths.source[m].sum() + lengths.target[m].sum()) for batch in batches for m in batch
     )
     return 1.0 - real / max(2 * len(batches) * self.rows * self.length, 1)
 
@@ -286,8 +329,11 @@ class _PlannedBatches:
 
   def __getitem__(self, index: int) -> dict[str, np.ndarray]:
     epoch, position = self._plan.locate(index)
+    # A split segmented afresh every epoch (`subword_sampling.SampledSplit`) gives its epoch's.
+    for_epoch = getattr(self._split, 'for_epoch', None)
+    split = for_epoch(epoch) if for_epoch else self._split
     return self._plan.local_batch(
-      self._split, self._plan.epoch(epoch)[position], self._process_index, self._process_count
+      split, self._plan.epoch(epoch)[position], self._process_index, self._process_count
     )
 
 
@@ -326,6 +372,7 @@ def make_token_budget_iterator(
     max_length=max_length,
     seed=seed,
     row_multiple=process_count * devices_per_process * micro_batches,
+    epoch_lengths=getattr(split, 'epoch_lengths', None),
   )
   return _planned_iterator(split, plan, process_index, process_count, num_threads), plan
 
@@ -371,6 +418,7 @@ def make_packed_iterator(
     length=length,
     seed=seed,
     pool_size=pool_size,
+    epoch_lengths=getattr(split, 'epoch_lengths', None),
   )
   return _planned_iterator(split, plan, process_index, process_count, num_threads), plan
 

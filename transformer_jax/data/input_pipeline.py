@@ -154,7 +154,7 @@ def _did_you_mean(name: str) -> str:
   return f" (did you mean config.dataset='{close[0]}'?)" if close else ''
 
 
-def _text(example: dict, key: str) -> str:
+def example_text(example: dict, key: str) -> str:
   value = example[key]
   return value.decode('utf-8') if isinstance(value, bytes) else str(value)
 
@@ -175,8 +175,8 @@ def read_examples(
 def training_sentences(source, config: ml_collections.ConfigDict) -> Iterator[str]:
   """Both sides of the first `vocab_max_examples` training pairs, for the shared vocabulary."""
   for example in read_examples(source, 0, config.vocab_max_examples):
-    yield _text(example, config.data.src_lang)
-    yield _text(example, config.data.tgt_lang)
+    yield example_text(example, config.data.src_lang)
+    yield example_text(example, config.data.tgt_lang)
 
 
 def load_target_tokenizer(workdir: Workdir) -> Tokenizer | None:
@@ -299,7 +299,7 @@ class TokenizedSplit:
           ('inputs', config.data.src_lang, tokenizer),
           ('targets', config.data.tgt_lang, target_tokenizer or tokenizer),
         ):
-          ids = segmenter.encode_batch([_text(example, key) for example in examples])
+          ids = segmenter.encode_batch([example_text(example, key) for example in examples])
           chunks[side].append(_flatten([sequence + [EOS_ID] for sequence in ids]))
         bar.update(len(examples))
     split = cls._from_chunks(chunks)
@@ -576,6 +576,6 @@ def eval_texts(
   """(sources, references) as text, in split order."""
   examples = list(read_examples(source, 0, max_examples))
   return (
-    [_text(e, config.data.src_lang) for e in examples],
-    [_text(e, config.data.tgt_lang) for e in examples],
+    [example_text(e, config.data.src_lang) for e in examples],
+    [example_text(e, config.data.tgt_lang) for e in examples],
   )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import threading
 import time
 from typing import Iterable, Iterator, Sequence
 
@@ -17,6 +18,8 @@ from transformer_jax.common.progress import progress
 
 PAD_ID, EOS_ID, BOS_ID, UNK_ID = 0, 1, 2, 3
 MODEL_TYPES = ('bpe', 'unigram', 'word', 'char')  # SentencePiece's.
+# SentencePiece's sampling seed is process-wide: one seeded segmentation at a time.
+_SAMPLING_LOCK = threading.Lock()
 
 
 class Tokenizer:
@@ -121,6 +124,37 @@ class Tokenizer:
 
   def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
     return self._processor.encode(list(texts), out_type=int)
+
+  def encode_sampled(self, texts: Sequence[str], alpha: float, seed: int) -> list[list[int]]:
+    """One random segmentation of each text (SentencePiece's sampling: BPE-dropout with merge
+    dropout `alpha` for a BPE vocabulary, Kudo's subword regularisation with smoothing `alpha`
+    for a unigram one), the same for the same (texts, alpha, seed).
+
+    SentencePiece draws from a generator per thread, seeded from its global seed when the thread
+    first samples; so each call seeds it and samples in a thread of its own, one at a time.
+    """
+    result: list[list[list[int]]] = []
+
+    def segment() -> None:
+      result.append(
+        self._processor.encode(
+          list(texts),
+          out_type=int,
+          enable_sampling=True,
+          alpha=alpha,
+          nbest_size=-1,
+          num_threads=1,
+        )
+      )
+
+    with _SAMPLING_LOCK:
+      spm.set_random_generator_seed(int(seed))
+      thread = threading.Thread(target=segment, name='subword-sampling')
+      thread.start()
+      thread.join()
+    if not result:
+      raise RuntimeError('subword sampling failed (its thread raised; see the log above)')
+    return result[0]
 
   def decode(self, ids: Sequence[int]) -> str:
     # Control ids (pad, eos, bos) are not text; unk stays visible as SentencePiece renders it.

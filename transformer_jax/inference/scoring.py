@@ -34,6 +34,10 @@ from transformer_jax.inference.translator import Translator, check_decoding_opti
 
 # The model is a static argument (a flax Module is a hashable dataclass of its config): one
 # compiled program per model config and batch shape.
+# Batches dispatched ahead of the one read back: enough to keep the device busy, few enough
+# that a large file's log-probabilities never all wait in memory at once (0: one at a time).
+BATCHES_IN_FLIGHT = 4
+
 jitted_target_log_probs = jax.jit(target_log_probs, static_argnames=('model', 'exclude_pad'))
 
 
@@ -96,7 +100,9 @@ def score_encoded(
 
   Pairs are sorted by source length bucket, then target length, into batches of the
   translator's batch_size rows, each padded to power-of-two lengths (`source_bucket`) as
-  `Translator.translate` pads: few shapes, few compiles, little padding.
+  `Translator.translate` pads: few shapes, few compiles, little padding. Every batch is
+  dispatched before any result is read back (JAX runs them asynchronously), so that the host's
+  padding and bookkeeping overlap the model's work instead of idling it between batches.
   """
   max_len = translator.model_config.max_len
   batch_size = translator.batch_size
@@ -108,6 +114,20 @@ def score_encoded(
   bar = Progress(
     total=len(pairs), unit='pairs', description='scoring', enabled=None if progress else False
   )
+  in_flight: list[tuple[list[int], jax.Array]] = []
+
+  def collect(rows, log_probs) -> None:
+    log_probs = np.asarray(log_probs, np.float32)
+    for row, index in enumerate(rows):
+      count = len(pairs[index][1])
+      values = log_probs[row, :count]
+      total = float(np.sum(values, dtype=np.float64))
+      result = {'log_prob': total, 'tokens': count, 'mean': total / count}
+      if per_token:
+        result['token_log_probs'] = [float(v) for v in values]
+      results[index] = result
+    bar.update(len(rows))
+
   for start in range(0, len(order), batch_size):
     rows = order[start : start + batch_size]
     source_length = source_bucket(max(len(pairs[i][0]) for i in rows), max_len)
@@ -118,16 +138,11 @@ def score_encoded(
       source_ids, target_ids = pairs[index]
       src[row, : len(source_ids)] = source_ids
       tgt[row, : len(target_ids)] = target_ids
-    log_probs = np.asarray(translator._token_log_probs(translator.params, src, tgt), np.float32)
-    for row, index in enumerate(rows):
-      count = len(pairs[index][1])
-      values = log_probs[row, :count]
-      total = float(np.sum(values, dtype=np.float64))
-      result = {'log_prob': total, 'tokens': count, 'mean': total / count}
-      if per_token:
-        result['token_log_probs'] = [float(v) for v in values]
-      results[index] = result
-    bar.update(len(rows))
+    in_flight.append((rows, translator._token_log_probs(translator.params, src, tgt)))
+    if len(in_flight) > BATCHES_IN_FLIGHT:
+      collect(*in_flight.pop(0))
+  for batch in in_flight:
+    collect(*batch)
   bar.close()
   return results
 

@@ -16,7 +16,7 @@ from absl import logging
 from transformer_jax.checkpoints.checkpointer import Checkpointer, restore_params_from
 from transformer_jax.common.errors import CorruptCheckpointError, NonFiniteError, UserInputError
 from transformer_jax.common.log import format_duration, log
-from transformer_jax.data import input_pipeline
+from transformer_jax.data import input_pipeline, subword_sampling
 from transformer_jax.evaluation import metrics
 from transformer_jax.training import host_memory
 from transformer_jax.training.metric_writers import MetricWriter, TrainingLog
@@ -90,8 +90,16 @@ class _Run:
       target_tokenizer=input_pipeline.load_target_tokenizer(workdir),
     )
     self.trainer = Trainer(config, self.model_config)
+    train_split = self.tokenized[config.train_split]
+    if config.subword_sampling:
+      train_split = subword_sampling.SampledSplit.from_source(
+        self.sources[config.train_split],
+        self.tokenizer,
+        config,
+        target_tokenizer=input_pipeline.load_target_tokenizer(workdir),
+      )
     self.train_iterator = input_pipeline.make_train_iterator(
-      self.tokenized[config.train_split],
+      train_split,
       config,
       process_index=jax.process_index(),
       process_count=jax.process_count(),

@@ -292,6 +292,17 @@ def _validate_batching(config) -> None:
     check_positive_integer('config.tokens_per_batch', config.tokens_per_batch)
   check_positive_integer('config.grad_accum_steps', config.grad_accum_steps)
   check_positive_integer('config.eval_batch_size', config.eval_batch_size)
+  check_fraction('config.subword_sampling', config.subword_sampling)
+  if config.subword_sampling and config.batching == 'fixed':
+    raise UserInputError(
+      "config.subword_sampling needs config.batching='tokens' or 'packed' (batches planned "
+      "from each epoch's lengths), not 'fixed'"
+    )
+  if config.subword_sampling and config.vocab_model_type not in ('bpe', 'unigram'):
+    raise UserInputError(
+      "config.subword_sampling samples 'bpe' or 'unigram' segmentations, not "
+      f'config.vocab_model_type={config.vocab_model_type!r}'
+    )
 
 
 def _validate_optimiser(config) -> None:
