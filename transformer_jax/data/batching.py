@@ -11,10 +11,9 @@ pair, so the model can keep the pairs apart. One shape for every batch, little p
 Either way the plan for an epoch (which pairs go in which batch, and the order of batches) is
 a pure function of (seed, epoch) — and of the epoch's segmentation where the pairs are
 segmented afresh every epoch (`subword_sampling.SampledSplit`) — computed the same on every
-process; each process then
-materialises only its rows of each batch. So the iterator state is just a batch counter
-(grain's `{'next_index': k}`), a resumed run sees exactly the same batches, and all processes
-always feed arrays of the same shape.
+process; each process then materialises only its rows of each batch. So the iterator state is
+just a batch counter (grain's `{'next_index': k}`), a resumed run sees exactly the same
+batches, and all processes always feed arrays of the same shape.
 """
 
 from __future__ import annotations

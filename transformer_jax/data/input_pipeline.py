@@ -573,7 +573,7 @@ def make_eval_batches(
 def eval_texts(
   source, config: ml_collections.ConfigDict, max_examples: int | None = None
 ) -> tuple[list[str], list[str]]:
-  """(sources, references) as text, in split order."""
+  """(sources, targets) as text, in split order (the first max_examples; None: all)."""
   examples = list(read_examples(source, 0, max_examples))
   return (
     [example_text(e, config.data.src_lang) for e in examples],
