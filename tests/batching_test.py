@@ -142,6 +142,53 @@ def test_bucket_lengths_invariants():
     assert all(0 < n <= max_length for n in lengths)
 
 
+@pytest.mark.parametrize(
+  'growth, expected',
+  [
+    (1.2, [8, 12, 16, 20, 24, 28, 36, 44, 52, 64]),
+    (1.1, [8, 12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 52, 60, 64]),
+    # Growth too small to reach the next multiple of 4 still steps by 4.
+    (1.01, list(range(8, 65, 4))),
+    (4.0, [8, 32, 64]),
+  ],
+)
+def test_bucket_growth_pinned(growth, expected):
+  assert bucket_lengths(64, growth=growth) == expected
+  for max_length in range(1, 300):
+    lengths = bucket_lengths(max_length, growth=growth)
+    assert all(a < b for a, b in zip(lengths, lengths[1:])), (growth, max_length)
+    assert lengths[-1] == max_length
+    assert all(n % 4 == 0 for n in lengths[:-1])
+
+
+def test_finer_buckets_pad_less_and_keep_every_pair_once(data):
+  # A small budget, so that the part-full leftover batches (one per bucket) weigh little.
+  coarse, fine = (
+    TokenBudgetPlan(
+      data['source'],
+      data['target'],
+      tokens_per_batch=256,
+      max_length=MAX_LENGTH,
+      seed=SEED,
+      bucket_growth=growth,
+    )
+    for growth in (1.5, 1.2)
+  )
+  assert coarse.buckets == bucket_lengths(MAX_LENGTH)
+  assert fine.buckets == bucket_lengths(MAX_LENGTH, growth=1.2)
+  # Measured on these lengths: 0.251 at growth 1.5, 0.171 at 1.2; 226 -> 202 batches.
+  assert coarse.padding_fraction(0) > 0.24
+  assert fine.padding_fraction(0) < 0.18
+  assert len(fine.epoch(0)) < 0.9 * len(coarse.epoch(0))
+  members = np.sort(np.concatenate([m for _, m in fine.epoch(0)]))
+  np.testing.assert_array_equal(members, data['eligible'])
+  # Every batch's pairs fit its bucket and none would fit the bucket below.
+  for bucket, batch_members in fine.epoch(0):
+    longest = np.maximum(data['source'], data['target'])[batch_members]
+    assert longest.max() <= fine.buckets[bucket]
+    assert bucket == 0 or longest.min() > fine.buckets[bucket - 1]
+
+
 def test_rows_per_bucket(data):
   assert _plan(data).buckets == [8, 12, 20, 32, 48, 64]
   assert _plan(data).rows == [128, 85, 51, 32, 21, 16]

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from transformer_jax.common.errors import UserInputError
-from transformer_jax.data import input_pipeline
+from transformer_jax.data import batching, input_pipeline
 from transformer_jax.data.tokenizer import EOS_ID, Tokenizer
 from transformer_jax.workdir.layout import Workdir
 
@@ -112,3 +112,20 @@ def test_a_stale_vocabulary_is_trained_again_unless_its_run_was_saved(data_dir, 
   workdir.write_run_config({'config': {'vocab_size': 60}, 'model': {}})
   kept = input_pipeline.load_or_train_tokenizer(config, workdir, sources['train'])
   assert kept.vocab_size == 60
+
+
+def test_bucket_growth_sets_the_token_batches_lengths(data_dir):
+  config = tiny_config(data_dir)
+  tokenizer, sources = _tokenizer_and_sources(config, data_dir)
+  split = input_pipeline.TokenizedSplit.build(sources['train'], tokenizer, config)
+  config.batching = 'tokens'
+  max_length = max(config.max_source_length, config.max_target_length)
+  seen = {}
+  for growth in (1.5, 1.2):
+    config.bucket_growth = growth
+    iterator = input_pipeline.make_train_iterator(split, config)
+    seen[growth] = {next(iterator)['inputs'].shape[1] for _ in range(40)}
+    buckets = set(batching.bucket_lengths(max_length, growth=growth))
+    assert seen[growth] <= buckets, (growth, seen[growth], buckets)
+  # The finer buckets give batch lengths the coarse ones never do.
+  assert seen[1.2] - set(batching.bucket_lengths(max_length))

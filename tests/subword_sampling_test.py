@@ -146,6 +146,8 @@ def test_a_run_with_subword_sampling_resumes_exactly_as_it_runs_uninterrupted(tm
   [
     ({'subword_sampling': 1.0}, r'^config\.subword_sampling must be in \[0, 1\), got 1\.0$'),
     ({'subword_sampling': -0.1}, r'^config\.subword_sampling must be in \[0, 1\), got -0\.1$'),
+    ({'bucket_growth': 1.0}, r'^config\.bucket_growth must be a number in \(1, 4\], got 1\.0$'),
+    ({'bucket_growth': float('nan')}, r'^config\.bucket_growth must be a number in \(1, 4\]'),
     (
       {'batching': 'fixed'},
       r"^config\.subword_sampling needs config\.batching='tokens' or 'packed'",

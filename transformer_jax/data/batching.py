@@ -34,13 +34,16 @@ _POOL_BATCHES = 64
 _PACKING_POOL_EXAMPLES = 4096
 
 
-def bucket_lengths(max_length: int, min_length: int = 8) -> list[int]:
-  """Bucket lengths growing by ~1.5x from min_length: [8, 12, 20, 32, 48, 72, ...], then max."""
+def bucket_lengths(max_length: int, min_length: int = 8, growth: float = 1.5) -> list[int]:
+  """Bucket lengths growing by ~`growth`x from min_length, rounded up to multiples of 4, then
+  max: [8, 12, 20, 32, 48, 72, ...] at 1.5. A smaller growth pads less (Multi30k's captions:
+  26% of the positions at 1.5, 18% at 1.2) for more buckets, one compiled program each."""
   lengths, length = [], min_length
   while length < max_length:
     lengths.append(length)
-    length = length * 3 // 2 if length % 2 == 0 else length * 4 // 3
-    length += length % 4 and 4 - length % 4  # Multiples of 4: friendlier tile sizes.
+    grown = int(length * growth)
+    grown += grown % 4 and 4 - grown % 4  # Multiples of 4: friendlier tile sizes.
+    length = max(grown, length + 4)
   lengths.append(max_length)
   return lengths
 
@@ -146,6 +149,7 @@ class TokenBudgetPlan(_EpochPlan):
     seed: int,
     row_multiple: int = 1,
     epoch_lengths: Callable[[int], tuple[np.ndarray, np.ndarray]] | None = None,
+    bucket_growth: float = 1.5,
   ):
     super().__init__(
       source_lengths,
@@ -154,7 +158,7 @@ class TokenBudgetPlan(_EpochPlan):
       seed=seed,
       epoch_lengths=epoch_lengths,
     )
-    self.buckets = bucket_lengths(max_length)
+    self.buckets = bucket_lengths(max_length, growth=bucket_growth)
     # Rows per bucket: the token budget over the padded length.
     self.rows = [rows_for_budget(tokens_per_batch, length, row_multiple) for length in self.buckets]
 
@@ -356,6 +360,7 @@ def make_token_budget_iterator(
   devices_per_process: int = 1,
   micro_batches: int = 1,
   num_threads: int = 2,
+  bucket_growth: float = 1.5,
 ) -> tuple[grain.DatasetIterator, TokenBudgetPlan]:
   """Endless length-bucketed batches of `split` (a TokenizedSplit) and the plan behind them.
 
@@ -372,6 +377,7 @@ def make_token_budget_iterator(
     seed=seed,
     row_multiple=process_count * devices_per_process * micro_batches,
     epoch_lengths=getattr(split, 'epoch_lengths', None),
+    bucket_growth=bucket_growth,
   )
   return _planned_iterator(split, plan, process_index, process_count, num_threads), plan
 

@@ -522,7 +522,9 @@ def make_train_iterator(
       },
     )
   if config.batching == 'tokens':
-    iterator, plan = batching.make_token_budget_iterator(split, max_length=max_length, **planned)
+    iterator, plan = batching.make_token_budget_iterator(
+      split, max_length=max_length, bucket_growth=config.bucket_growth, **planned
+    )
     if not plan.epoch(0):
       raise _too_few_pairs(config, len(plan.eligible), len(split), 'as planned')
     log(

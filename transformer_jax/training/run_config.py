@@ -29,6 +29,7 @@ from transformer_jax.common.errors import (
   check_number_at_least,
   check_positive_integer,
   is_integer,
+  is_number,
 )
 from transformer_jax.data import number_words, text_dataset, tokenizer
 from transformer_jax.model.config import TransformerConfig
@@ -292,6 +293,10 @@ def _validate_batching(config) -> None:
     check_positive_integer('config.tokens_per_batch', config.tokens_per_batch)
   check_positive_integer('config.grad_accum_steps', config.grad_accum_steps)
   check_positive_integer('config.eval_batch_size', config.eval_batch_size)
+  if not (is_number(config.bucket_growth) and 1.0 < config.bucket_growth <= 4.0):
+    raise UserInputError(
+      f'config.bucket_growth must be a number in (1, 4], got {config.bucket_growth!r}'
+    )
   check_fraction('config.subword_sampling', config.subword_sampling)
   if config.subword_sampling and config.batching == 'fixed':
     raise UserInputError(
