@@ -32,9 +32,13 @@ _POOL_BATCHES = 64
 # Packing fills rows first-fit from pools of this many shuffled pairs: large enough that only a
 # pool's last few rows stay part-empty, small enough that each pair scans few open rows.
 _PACKING_POOL_EXAMPLES = 4096
+# Successive token-budget bucket lengths grow by about this factor (`config.bucket_growth`).
+BUCKET_GROWTH = 1.5
 
 
-def bucket_lengths(max_length: int, min_length: int = 8, growth: float = 1.5) -> list[int]:
+def bucket_lengths(
+  max_length: int, min_length: int = 8, growth: float = BUCKET_GROWTH
+) -> list[int]:
   """Bucket lengths growing by ~`growth`x from min_length, rounded up to multiples of 4, then
   max: [8, 12, 20, 32, 48, 72, ...] at 1.5. A smaller growth pads less (Multi30k's captions:
   26% of the positions at 1.5, 18% at 1.2) for more buckets, one compiled program each."""
@@ -149,7 +153,7 @@ class TokenBudgetPlan(_EpochPlan):
     seed: int,
     row_multiple: int = 1,
     epoch_lengths: Callable[[int], tuple[np.ndarray, np.ndarray]] | None = None,
-    bucket_growth: float = 1.5,
+    bucket_growth: float = BUCKET_GROWTH,
   ):
     super().__init__(
       source_lengths,
@@ -360,7 +364,7 @@ def make_token_budget_iterator(
   devices_per_process: int = 1,
   micro_batches: int = 1,
   num_threads: int = 2,
-  bucket_growth: float = 1.5,
+  bucket_growth: float = BUCKET_GROWTH,
 ) -> tuple[grain.DatasetIterator, TokenBudgetPlan]:
   """Endless length-bucketed batches of `split` (a TokenizedSplit) and the plan behind them.
 
