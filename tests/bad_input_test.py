@@ -757,6 +757,14 @@ FIELD_CASES = [
   ),
   ({'max_target_length': 0}, r'config\.max_target_length must be a positive integer, got 0'),
   ({'warmup_steps': 0}, r'config\.warmup_steps must be a positive integer, got 0'),
+  (
+    {'train_time_limit_minutes': -1.0},
+    r'config\.train_time_limit_minutes must be a number >= 0, got -1\.0',
+  ),
+  (
+    {'train_time_limit_minutes': float('inf')},
+    r'config\.train_time_limit_minutes must be finite, got inf',
+  ),
 ]
 
 

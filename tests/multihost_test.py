@@ -47,6 +47,9 @@ def get_config():
   config.eval_every_steps = 1000
   config.eval_decode_examples = 32  # Decoded across both processes at the final evaluation.
   config.eval_batch_size = 16
+  # Never reached, but with two processes it is checked at every log step by a broadcast of
+  # process 0's clock: the collective must neither hang nor change the run.
+  config.train_time_limit_minutes = 1e6
   return config
 """)
   return str(path)

@@ -90,6 +90,29 @@ def test_resume_with_a_different_model_is_refused(tmp_path, data_dir):
   loop.train_and_evaluate(config, str(tmp_path))
 
 
+def test_time_limit_ends_the_run_with_an_evaluation_and_a_checkpoint(tmp_path, data_dir):
+  # A limit passed by the first step: that step is the run's last, evaluated and saved as the
+  # final step of a finished run is, and a rerun resumes from it for another limit.
+  config = tiny_config(data_dir)
+  config.num_train_steps = 50
+  config.eval_every_steps = 20
+  config.checkpoint_every_steps = 20
+  config.train_time_limit_minutes = 1e-6
+  metrics = loop.train_and_evaluate(config, str(tmp_path))
+  assert 'preempted' not in metrics and metrics['loss'] > 0, metrics
+  assert _final_params(tmp_path)[0] == 1
+  scalars = metric_writers.read_scalars(tmp_path / 'tensorboard')
+  assert [step for step, _, _ in scalars['eval/loss']] == [1]
+  assert [step for step, _, _ in scalars['train/loss']] == [1]
+
+  # Without a limit the rerun trains the remaining steps, evaluating at 20, 40 and the last.
+  config.train_time_limit_minutes = 0.0
+  loop.train_and_evaluate(config, str(tmp_path))
+  assert _final_params(tmp_path)[0] == 50
+  scalars = metric_writers.read_scalars(tmp_path / 'tensorboard')
+  assert [step for step, _, _ in scalars['eval/loss']] == [1, 20, 40, 50]
+
+
 @pytest.mark.parametrize('field, value', [('per_device_batch_size', 0), ('num_train_steps', -5)])
 def test_invalid_config_names_the_field(tmp_path, data_dir, field, value):
   config = tiny_config(data_dir)

@@ -11,6 +11,7 @@ import time
 
 import jax
 import ml_collections
+import numpy as np
 from absl import logging
 
 from transformer_jax.checkpoints.checkpointer import Checkpointer, restore_params_from
@@ -205,6 +206,7 @@ class _Run:
 def _train_and_evaluate(
   config, workdir: Workdir, preemption: _PreemptionFlag, lock
 ) -> dict[str, float]:
+  time_limit = _TimeLimit(config.train_time_limit_minutes, config.log_every_steps)
   try:
     run = _Run(config, workdir)
   except OSError as error:  # What the checks above cannot see: a read-only file or subfolder.
@@ -212,7 +214,7 @@ def _train_and_evaluate(
       raise
     raise UserInputError(f'cannot use {error.filename}: {error.strerror}') from None
   try:
-    return _loop(run, preemption, workdir, lock)
+    return _loop(run, preemption, workdir, lock, time_limit)
   finally:
     run.close()
 
@@ -221,7 +223,35 @@ def _every(step: int, interval: int, last_step: int) -> bool:
   return step % interval == 0 or step == last_step
 
 
-def _loop(run: _Run, preemption: _PreemptionFlag, workdir: Workdir, lock) -> dict[str, float]:
+class _TimeLimit:
+  """`config.train_time_limit_minutes` of wall clock (0: none), as fairseq's --stop-time-hours.
+
+  Counted from the start of this invocation's data preparation, so a budget such as "2 hours of
+  train.py" holds on any machine whatever its speed; a resumed run gets the whole limit again.
+  With several processes the first one's clock decides, at log steps (one broadcast each), so
+  that all of them stop at the same step.
+  """
+
+  def __init__(self, minutes: float, check_every_steps: int):
+    self.minutes, self._check_every = minutes, check_every_steps
+    self._start = time.time()
+
+  def reached(self, step: int) -> bool:
+    if not self.minutes:
+      return False
+    if jax.process_count() == 1:
+      return time.time() - self._start >= 60 * self.minutes
+    if step % self._check_every:
+      return False
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+
+    over = np.bool_(time.time() - self._start >= 60 * self.minutes)
+    return bool(multihost_utils.broadcast_one_to_all(over))
+
+
+def _loop(
+  run: _Run, preemption: _PreemptionFlag, workdir: Workdir, lock, time_limit: _TimeLimit
+) -> dict[str, float]:
   config, trainer = run.config, run.trainer
   run_start = time.time()
   state = run.restore_or_init()
@@ -256,7 +286,9 @@ def _loop(run: _Run, preemption: _PreemptionFlag, workdir: Workdir, lock) -> dic
         f'{workdir}: another training process took over this workdir after this one was '
         f'silent longer than its lock expiry; stopping at step {step} without saving'
       )
-    if _every(step, config.log_every_steps, config.num_train_steps):
+    # The last step: the configured one, or the first past the time limit.
+    last_step = step if time_limit.reached(step) else config.num_train_steps
+    if _every(step, config.log_every_steps, last_step):
       training_log.write(step, int(jax.device_get(state.skipped_steps)))
     if preemption.should_stop(step):
       run.save(state, step)
@@ -266,11 +298,17 @@ def _loop(run: _Run, preemption: _PreemptionFlag, workdir: Workdir, lock) -> dic
         'rerun the same command to resume'
       )
       return {**eval_metrics, 'preempted': 1.0, 'step': float(step)}
-    if _every(step, config.eval_every_steps, config.num_train_steps):
+    if _every(step, config.eval_every_steps, last_step):
       eval_metrics = run.evaluate(state.params, step)
-    if _every(step, config.checkpoint_every_steps, config.num_train_steps):
+    if _every(step, config.checkpoint_every_steps, last_step):
       run.save(state, step)
       training_log.restart_clock()
+    if step == last_step < config.num_train_steps:
+      log(
+        f'config.train_time_limit_minutes ({time_limit.minutes:g}) reached: stopped at step '
+        f'{step} of {config.num_train_steps}, checkpoint saved'
+      )
+      break
   if not eval_metrics:  # Nothing left to train: report on the restored state.
     eval_metrics = run.evaluate(state.params, step)
   run.checkpointer.wait_until_finished()

@@ -346,6 +346,10 @@ def _validate_loop(config) -> None:
     check_positive_integer(f'config.{name}', config[name])
   check_integer_at_least('config.eval_decode_examples', config.eval_decode_examples, 0)
   check_number_at_least('config.lock_expiry_seconds', config.lock_expiry_seconds, 0, strict=True)
+  limit = config.train_time_limit_minutes
+  check_number_at_least('config.train_time_limit_minutes', limit, 0)
+  if not math.isfinite(limit):
+    raise UserInputError(f'config.train_time_limit_minutes must be finite, got {limit!r}')
 
 
 def _validate_devices(config) -> None:
