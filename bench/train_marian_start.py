@@ -1,6 +1,7 @@
 """train.py, training a model that Marian can represent exactly (bench/marian_pretrained.py).
 
-    python bench/train_marian_start.py --config=configs/multi30k.py --workdir=runs/marian-shaped \
+    python bench/train_marian_start.py --config=configs/multi30k_wide.py \
+        --workdir=runs/marian-shaped \
         --config.model.attention_bias=True --config.model.ffn_activation=swish \
         --config.model.sinusoid_layout=concatenated --config.model.logits_bias=True \
         --config.model.layer_norm_epsilon=1e-6 [other train.py flags]
