@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer_jax.training.losses import label_smoothed_cross_entropy
+from transformer_jax.training.losses import correct_tokens, label_smoothed_cross_entropy
 
 V = 7
 
@@ -122,3 +122,16 @@ def test_minimum_is_at_q(eps):
     assert float(loss_fn(other)) > float(loss) + 1e-3
   # A peaked one-hot prediction is not optimal under smoothing.
   assert float(loss_fn(100.0 * jax.nn.one_hot(targets, V))) > 1.0
+
+
+def test_correct_tokens_counts_targets_with_the_highest_logit():
+  logits, targets, weights = _example(3)
+  want = float(((logits.argmax(-1) == targets) * weights).sum())  # No ties in normal draws.
+  assert float(correct_tokens(jnp.asarray(logits), targets, weights)) == want
+  # Make every target the highest (one of them tied with another id): all weighted ones count.
+  logits[..., 0] = 100.0
+  assert float(correct_tokens(jnp.asarray(logits), np.zeros_like(targets), weights)) == 5.0
+  logits[0, 0, 1] = 100.0  # A tie for the highest still counts as correct.
+  assert float(correct_tokens(jnp.asarray(logits), np.zeros_like(targets), weights)) == 5.0
+  logits[0, 0, 1] = 101.0
+  assert float(correct_tokens(jnp.asarray(logits), np.zeros_like(targets), weights)) == 4.0

@@ -113,7 +113,10 @@ def test_time_limit_ends_the_run_with_an_evaluation_and_a_checkpoint(tmp_path, d
   assert [step for step, _, _ in scalars['eval/loss']] == [1, 20, 40, 50]
 
 
-@pytest.mark.parametrize('field, value', [('per_device_batch_size', 0), ('num_train_steps', -5)])
+@pytest.mark.parametrize(
+  'field, value',
+  [('per_device_batch_size', 0), ('num_train_steps', -5), ('loss_rows_per_chunk', -1)],
+)
 def test_invalid_config_names_the_field(tmp_path, data_dir, field, value):
   config = tiny_config(data_dir)
   config[field] = value
@@ -132,9 +135,15 @@ def test_invalid_model_size_names_the_field(tmp_path, data_dir):
 # one device and on meshes (8, 1, 1), (1, 8, 1) and (2, 1, 4) and compares loss and parameters.
 
 
-def test_gradient_accumulation_equals_one_big_batch(tmp_path):
+def test_gradient_accumulation_chunked_loss_and_unrolled_layers_equal_the_plain_step(tmp_path):
+  """Two steps of the same packed batch give the same loss, gradient norm and parameters
+  with the gradient accumulated over 4 micro-batches, with the loss projected a few positions
+  at a time (24 and 40 rows per chunk: 3 and 5 of the 16 positions of 8 rows, so the last
+  chunk is padded; 6 rows: 3 positions of each 2-row micro-batch), with the layer loops
+  unrolled (2 + 2 layers), and with all three at once."""
   config = tiny_config(str(tmp_path))
   config.learning_rate_scale = 1.0
+  config.model.num_encoder_layers = config.model.num_decoder_layers = 2
   model_config = run_config.model_config_from(config, vocab_size=40)  # No dropout by default.
   rng = np.random.default_rng(0)
   rows = 8
@@ -156,16 +165,22 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path):
   batch['inputs_segment_ids'] = np.ones((rows, 24), np.int32)
   batch['inputs_positions'] = np.tile(np.arange(24, dtype=np.int32), (rows, 1))
   results = {}
-  for k in (1, 4):
+  # (gradient accumulation steps, loss rows per chunk, unrolled layers)
+  variants = [(1, 0, False), (4, 0, False), (1, 24, False), (1, 40, False), (1, 0, True)]
+  variants.append((4, 6, True))
+  for k, rows_per_chunk, unroll in variants:
     config.grad_accum_steps = k
-    trainer = training_trainer.Trainer(config, model_config)
+    config.loss_rows_per_chunk = rows_per_chunk
+    variant_model = model_config.replace(unroll_layers=unroll)
+    trainer = training_trainer.Trainer(config, variant_model)
     state = trainer.init_state(seed=3)
     for _ in range(2):  # Two steps: the second starts from the accumulated update.
       state, metrics = trainer.step(state, batch)
-    results[k] = (jax.device_get(state.params), jax.device_get(metrics))
-  params_1, metrics_1 = results[1]
-  for k in (4,):
-    params_k, metrics_k = results[k]
+    results[k, rows_per_chunk, unroll] = (jax.device_get(state.params), jax.device_get(metrics))
+  params_1, metrics_1 = results[variants[0]]
+  for variant in variants[1:]:
+    params_k, metrics_k = results[variant]
+    np.testing.assert_allclose(metrics_k['correct_tokens'], metrics_1['correct_tokens'])
     np.testing.assert_allclose(metrics_k['loss_sum'], metrics_1['loss_sum'], rtol=1e-5)
     assert metrics_k['token_count'] == metrics_1['token_count'] == lengths.sum()
     np.testing.assert_allclose(metrics_k['grad_norm'], metrics_1['grad_norm'], rtol=1e-4)

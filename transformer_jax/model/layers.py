@@ -281,6 +281,9 @@ def stacked_layers(
     split_rngs={'params': True, 'dropout': True},
     in_axes=(nn.broadcast,) * num_broadcast_args,
     length=num_layers,
+    # Unrolled, the layers are straight-line code: XLA:CPU then fuses across them and drops the
+    # loop's per-layer slicing and stacking of parameters and saved activations.
+    unroll=num_layers if cfg.unroll_layers else 1,
     metadata_params={nn.PARTITION_NAME: 'layers'},
   )(cfg, name=name)
 

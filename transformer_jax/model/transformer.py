@@ -271,6 +271,34 @@ class Transformer(nn.Module):
       self.put_variable('cache', 'beam_of_position', cache['beam_of_position'])
     return self.output_logits(x)
 
+  def features(
+    self,
+    src_ids,
+    tgt_in_ids,
+    *,
+    deterministic: bool = True,
+    src_segment_ids=None,
+    tgt_segment_ids=None,
+    src_positions=None,
+    tgt_positions=None,
+  ):
+    """`__call__` without the output projection: the decoder's output [b, t, m], which
+    `output_logits` turns into logits [b, t, v] (training's loss projects it a few positions at
+    a time: `training.losses.chunked_token_metrics`)."""
+    _check_segments(src_segment_ids, tgt_segment_ids)
+    encoded = self.encode(
+      src_ids, deterministic=deterministic, segment_ids=src_segment_ids, positions=src_positions
+    )
+    return self.decode_features(
+      encoded,
+      src_ids,
+      tgt_in_ids,
+      deterministic=deterministic,
+      src_segment_ids=src_segment_ids,
+      tgt_segment_ids=tgt_segment_ids,
+      tgt_positions=tgt_positions,
+    )
+
   def __call__(
     self,
     src_ids,

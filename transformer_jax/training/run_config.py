@@ -322,6 +322,11 @@ def _validate_optimiser(config) -> None:
     check_fraction(f'config.{name}', config[name])
   check_number_at_least('config.grad_clip_norm', config.grad_clip_norm, 0)
   check_fraction('config.label_smoothing', config.label_smoothing)
+  if not (is_integer(config.loss_rows_per_chunk) and config.loss_rows_per_chunk >= 0):
+    raise UserInputError(
+      'config.loss_rows_per_chunk must be a non-negative integer (0: no chunks), got '
+      f'{config.loss_rows_per_chunk!r}'
+    )
   check_fraction('config.cooldown_fraction', config.cooldown_fraction)
   if config.learning_rate_schedule not in optim.SCHEDULES:
     raise UserInputError(

@@ -12,7 +12,11 @@ from flax.training import train_state
 from transformer_jax.data import batching
 from transformer_jax.data.tokenizer import BOS_ID, PAD_ID
 from transformer_jax.model.transformer import Transformer
-from transformer_jax.training.losses import label_smoothed_cross_entropy
+from transformer_jax.training.losses import (
+  chunked_token_metrics,
+  correct_tokens,
+  label_smoothed_cross_entropy,
+)
 
 
 class TrainState(train_state.TrainState):
@@ -41,7 +45,7 @@ def shift_right(targets: jax.Array, segment_ids: jax.Array | None = None) -> jax
 
 def compute_metrics(logits, targets, weights, label_smoothing):
   loss_sum, weight_sum = label_smoothed_cross_entropy(logits, targets, weights, label_smoothing)
-  correct = jnp.sum((jnp.argmax(logits, axis=-1) == targets) * weights)
+  correct = correct_tokens(logits, targets, weights)
   return {'loss_sum': loss_sum, 'token_count': weight_sum, 'correct_tokens': correct}
 
 
@@ -53,12 +57,17 @@ def train_step(
   learning_rate_fn,
   label_smoothing: float,
   grad_accum_steps: int = 1,
+  loss_rows_per_chunk: int = 0,
 ) -> tuple[TrainState, dict]:
   """One optimiser step on a batch {'inputs': [b, s], 'targets': [b, t]} (int32, 0 = pad).
 
   A packed batch also has 'inputs_segment_ids', 'targets_segment_ids', 'inputs_positions' and
   'targets_positions' (see batching.make_packed_iterator); the model then keeps its examples
   apart and the decoder inputs are shifted per example.
+
+  With loss_rows_per_chunk = r > 0 the loss projects the decoder's output to logits a few
+  target positions (about r rows) at a time (`losses.chunked_token_metrics`): the same loss
+  and gradient up to rounding, without the [b, t, vocab] logits in memory.
 
   With grad_accum_steps = k > 1 the batch is cut into k micro-batches of b/k rows, run one
   after another (a `lax.scan`, so activations of only one are alive at a time); their summed
@@ -69,17 +78,35 @@ def train_step(
   def loss_sum_and_metrics(params, micro_batch, rng):
     targets = micro_batch['targets']
     packing = batching.packing_model_args(micro_batch)
-    logits = model.apply(
-      {'params': params},
-      micro_batch['inputs'],
-      shift_right(targets, packing.get('tgt_segment_ids')),
-      deterministic=False,
-      rngs={'dropout': rng},
-      **packing,
-    )
-    metrics = compute_metrics(
-      logits, targets, (targets != PAD_ID).astype(jnp.float32), label_smoothing
-    )
+    weights = (targets != PAD_ID).astype(jnp.float32)
+    if loss_rows_per_chunk:
+      features = model.apply(
+        {'params': params},
+        micro_batch['inputs'],
+        shift_right(targets, packing.get('tgt_segment_ids')),
+        deterministic=False,
+        rngs={'dropout': rng},
+        method=Transformer.features,
+        **packing,
+      )
+      metrics = chunked_token_metrics(
+        features,
+        lambda x: model.apply({'params': params}, x, method=Transformer.output_logits),
+        targets,
+        weights,
+        label_smoothing,
+        loss_rows_per_chunk,
+      )
+    else:
+      logits = model.apply(
+        {'params': params},
+        micro_batch['inputs'],
+        shift_right(targets, packing.get('tgt_segment_ids')),
+        deterministic=False,
+        rngs={'dropout': rng},
+        **packing,
+      )
+      metrics = compute_metrics(logits, targets, weights, label_smoothing)
     return metrics['loss_sum'], metrics
 
   if grad_accum_steps == 1:

@@ -73,6 +73,7 @@ class Trainer:
         learning_rate_fn=self.learning_rate_fn,
         label_smoothing=config.label_smoothing,
         grad_accum_steps=config.grad_accum_steps,
+        loss_rows_per_chunk=config.loss_rows_per_chunk,
       ),
       in_shardings=(self.state_shardings, self.batch_sharding),
       out_shardings=(self.state_shardings, replicated),
