@@ -2,6 +2,15 @@
 
     python bench/levers.py --size=small --rounds=6 \
         --variants=baseline,fused_qkv,onehot_loss,dropout_bits16,no_attention_dropout,xla_attention,no_dropout,remat
+    python bench/levers.py --size=multi30k --rounds=6 \
+        --variants=baseline,layer_loop,whole_logits,argmax_accuracy,none_of_the_three
+
+`--size=multi30k` is `configs/multi30k.py`'s model and training config (unrolled layers, the
+loss in chunks of 512 rows) on 128 pairs x 32 tokens, the size of its 4k-token batches. Its
+variants undo what that config and the library do for speed: `layer_loop` (the layers as a
+loop: `unroll_layers` off), `whole_logits` (`loss_rows_per_chunk` 0), `argmax_accuracy` (the
+correct-token count by an argmax over the logits, as before `losses.correct_tokens`) and
+`none_of_the_three`.
 
 Every variant's training step is compiled first; then each round times `--steps` steps of every
 variant in turn, so a noisy machine slows all variants alike. The table gives each variant's
@@ -34,19 +43,23 @@ import flax.linen as nn  # noqa: E402
 import flax.linen.stochastic as flax_stochastic  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import ml_collections  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 from transformer_jax.benchmark import flops as flop_count  # noqa: E402
 from transformer_jax.benchmark import training  # noqa: E402
-from transformer_jax.configs import default  # noqa: E402
+from transformer_jax.configs import default, multi30k  # noqa: E402
 from transformer_jax.model import layers as transformer_layers  # noqa: E402
 from transformer_jax.model import matmul
 from transformer_jax.training import host_memory  # noqa: E402
+from transformer_jax.training import losses as training_losses  # noqa: E402
 from transformer_jax.training import step as training_step  # noqa: E402
 from transformer_jax.training.trainer import Trainer
 
-flags.DEFINE_string('size', 'small', 'tiny, small or base (see transformer_jax.benchmark)')
+flags.DEFINE_string(
+  'size', 'small', "tiny, small or base (see transformer_jax.benchmark), or 'multi30k'"
+)
 flags.DEFINE_list(
   'variants',
   [
@@ -77,6 +90,15 @@ _CONFIG_CHANGES = {
   'autodiff_kernel_grads': {},
   'rbg_dropout': {},
   'threefry_unpartitionable': {},
+  'layer_loop': dict(unroll_layers=False),
+  'whole_logits': {},
+  'argmax_accuracy': {},
+  'none_of_the_three': dict(unroll_layers=False),
+}
+# Training-config changes of the variants (the rest change only the model config).
+_TRAINING_CHANGES = {
+  'whole_logits': dict(loss_rows_per_chunk=0),
+  'none_of_the_three': dict(loss_rows_per_chunk=0),
 }
 
 
@@ -148,6 +170,20 @@ def _fused_qkv_attention(original):
   return call
 
 
+def _argmax_correct_tokens(logits, targets, weights):
+  return jnp.sum((jnp.argmax(logits, axis=-1) == targets) * weights)
+
+
+def _size_spec(size):
+  if size != 'multi30k':
+    return training.size_spec(size, default.get_config(), dtype='float32')
+  config = multi30k.get_config()
+  config.batching = 'fixed'
+  config.per_device_batch_size = 128
+  config.max_source_length = config.max_target_length = 32
+  return training.size_spec('tiny', config, dtype='float32')
+
+
 def _traced_config(variant):
   """JAX config a variant is traced under. It is part of jit's cache key, so it must also hold
   at every timed call, or the call would retrace and recompile under the default."""
@@ -163,6 +199,8 @@ def _patched(variant):
     training_step.label_smoothed_cross_entropy,
     transformer_layers.MultiHeadAttention.__call__,
     matmul.row_major_kernel_grads,
+    training_losses.correct_tokens,
+    training_step.correct_tokens,
   )
   try:
     if variant == 'dropout_bits16':
@@ -175,6 +213,8 @@ def _patched(variant):
       transformer_layers.MultiHeadAttention.__call__ = _fused_qkv_attention(saved[2])
     elif variant == 'autodiff_kernel_grads':
       matmul.row_major_kernel_grads = lambda: False
+    elif variant in ('argmax_accuracy', 'none_of_the_three'):
+      training_losses.correct_tokens = training_step.correct_tokens = _argmax_correct_tokens
     with _traced_config(variant):
       yield
   finally:
@@ -183,6 +223,8 @@ def _patched(variant):
       training_step.label_smoothed_cross_entropy,
       transformer_layers.MultiHeadAttention.__call__,
       matmul.row_major_kernel_grads,
+      training_losses.correct_tokens,
+      training_step.correct_tokens,
     ) = saved
 
 
@@ -192,7 +234,7 @@ def main(argv):
   unknown = [v for v in FLAGS.variants if v not in _CONFIG_CHANGES]
   if unknown:
     raise app.UsageError(f'unknown variant(s) {unknown}; known: {sorted(_CONFIG_CHANGES)}')
-  spec = training.size_spec(FLAGS.size, default.get_config(), dtype='float32')
+  spec = _size_spec(FLAGS.size)
   rng = np.random.default_rng(0)
   batches = [
     training.synthetic_batch(
@@ -211,8 +253,12 @@ def main(argv):
   )['total']
   runs = {}
   for variant in FLAGS.variants:
+    variant_config = ml_collections.ConfigDict(spec.config.to_dict())
+    variant_config.update(_TRAINING_CHANGES.get(variant, {}))
     variant_spec = dataclasses.replace(
-      spec, model_config=spec.model_config.replace(**_CONFIG_CHANGES[variant])
+      spec,
+      config=variant_config,
+      model_config=spec.model_config.replace(**_CONFIG_CHANGES[variant]),
     )
     with _patched(variant):  # Patches matter while tracing, i.e. during the first step.
       trainer = Trainer(variant_spec.config, variant_spec.model_config)

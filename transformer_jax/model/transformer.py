@@ -312,19 +312,16 @@ class Transformer(nn.Module):
   ):
     """Logits [b, t, v]. Packed rows (several examples per row) pass segment ids for both
     sides (and optionally per-example positions); see `encode` and `decode`."""
-    _check_segments(src_segment_ids, tgt_segment_ids)
-    encoded = self.encode(
-      src_ids, deterministic=deterministic, segment_ids=src_segment_ids, positions=src_positions
-    )
-    return self.decode(
-      encoded,
+    features = self.features(
       src_ids,
       tgt_in_ids,
       deterministic=deterministic,
       src_segment_ids=src_segment_ids,
       tgt_segment_ids=tgt_segment_ids,
+      src_positions=src_positions,
       tgt_positions=tgt_positions,
     )
+    return self.output_logits(features)
 
   def _check_length(self, ids, what):
     if ids.shape[1] > self.config.max_len:

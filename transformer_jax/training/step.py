@@ -4,6 +4,8 @@ inputs. Jitted over the mesh by `training.trainer.Trainer`."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -79,18 +81,18 @@ def train_step(
     targets = micro_batch['targets']
     packing = batching.packing_model_args(micro_batch)
     weights = (targets != PAD_ID).astype(jnp.float32)
+    apply = functools.partial(
+      model.apply,
+      {'params': params},
+      micro_batch['inputs'],
+      shift_right(targets, packing.get('tgt_segment_ids')),
+      deterministic=False,
+      rngs={'dropout': rng},
+      **packing,
+    )
     if loss_rows_per_chunk:
-      features = model.apply(
-        {'params': params},
-        micro_batch['inputs'],
-        shift_right(targets, packing.get('tgt_segment_ids')),
-        deterministic=False,
-        rngs={'dropout': rng},
-        method=Transformer.features,
-        **packing,
-      )
       metrics = chunked_token_metrics(
-        features,
+        apply(method=Transformer.features),  # [b, t, m]
         lambda x: model.apply({'params': params}, x, method=Transformer.output_logits),
         targets,
         weights,
@@ -98,15 +100,7 @@ def train_step(
         loss_rows_per_chunk,
       )
     else:
-      logits = model.apply(
-        {'params': params},
-        micro_batch['inputs'],
-        shift_right(targets, packing.get('tgt_segment_ids')),
-        deterministic=False,
-        rngs={'dropout': rng},
-        **packing,
-      )
-      metrics = compute_metrics(logits, targets, weights, label_smoothing)
+      metrics = compute_metrics(apply(), targets, weights, label_smoothing)
     return metrics['loss_sum'], metrics
 
   if grad_accum_steps == 1:
