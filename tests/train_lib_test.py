@@ -138,9 +138,9 @@ def test_invalid_model_size_names_the_field(tmp_path, data_dir):
 def test_gradient_accumulation_chunked_loss_and_unrolled_layers_equal_the_plain_step(tmp_path):
   """Two steps of the same packed batch give the same loss, gradient norm and parameters
   with the gradient accumulated over 4 micro-batches, with the loss projected a few positions
-  at a time (24 and 40 rows per chunk: 3 and 5 of the 16 positions of 8 rows, so the last
-  chunk is padded; 6 rows: 3 positions of each 2-row micro-batch), with the layer loops
-  unrolled (2 + 2 layers), and with all three at once."""
+  at a time with the layer loops unrolled (2 + 2 layers; 24 rows per chunk: 3 of the 16
+  positions of 8 rows, so the last chunk is padded), and with all three at once (6 rows: 3
+  positions of each 2-row micro-batch)."""
   config = tiny_config(str(tmp_path))
   config.learning_rate_scale = 1.0
   config.model.num_encoder_layers = config.model.num_decoder_layers = 2
@@ -166,8 +166,7 @@ def test_gradient_accumulation_chunked_loss_and_unrolled_layers_equal_the_plain_
   batch['inputs_positions'] = np.tile(np.arange(24, dtype=np.int32), (rows, 1))
   results = {}
   # (gradient accumulation steps, loss rows per chunk, unrolled layers)
-  variants = [(1, 0, False), (4, 0, False), (1, 24, False), (1, 40, False), (1, 0, True)]
-  variants.append((4, 6, True))
+  variants = [(1, 0, False), (4, 0, False), (1, 24, True), (4, 6, True)]
   for k, rows_per_chunk, unroll in variants:
     config.grad_accum_steps = k
     config.loss_rows_per_chunk = rows_per_chunk
