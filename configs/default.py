@@ -161,8 +161,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.label_smoothing = 0.1
   # 0: the loss reads the whole [batch, length, vocab] logits. r > 0: it projects the decoder's
   # output a few target positions (about r rows) at a time and again in the backward pass, so
-  # the logits never exist whole: the same loss up to rounding, less memory, and on CPUs a
-  # faster step when the vocabulary is large (512 at Multi30k's 8k pieces: bench/README.md).
+  # the logits never exist whole: the same loss up to rounding and less memory, for one more
+  # output projection in the backward pass (Multi30k's 8k vocabulary: as fast; bench/README.md).
   config.loss_rows_per_chunk = 0
   # Stop after this many consecutive steps whose loss or gradient is NaN/Inf (each is skipped).
   config.max_consecutive_nonfinite_steps = 10

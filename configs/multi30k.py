@@ -50,8 +50,9 @@ def get_config():
   config.model.dropout_rate = 0.3
   config.model.attention_dropout_rate = 0.0
   config.model.max_len = 128
-  # Straight-line layers and the loss a few positions at a time: on 2 CPU cores 697 -> 592 ms
-  # per 4k-token step with both (bench/README.md, "Multi30k recipe levers"); same parameters.
+  # Straight-line layers (same parameters): 1.07-1.09x per 4k-token step on 2 CPU cores. The
+  # loss a few positions at a time: no faster at this vocabulary (1.01x), but the [4096, 8000]
+  # logits never exist whole (bench/levers.py --size=multi30k; bench/README.md).
   config.model.unroll_layers = True
   config.loss_rows_per_chunk = 512
 
