@@ -74,11 +74,12 @@ def chunked_token_metrics(
 
   Each chunk of c = ceil(rows_per_chunk / b) positions is projected, reduced and dropped; its
   backward pass projects it again (`jax.checkpoint`: one more [rows, m] x [m, v] product)
-  instead of keeping its logits. On a 2-core CPU at [4096, 128] x [128, 8000] the loss's
-  forward and backward fall from 190 to 131 ms: one chunk's logits stay in the cache while the
-  reductions read them. Chunks run along the target positions, so the batch axis (the one
-  sharded over devices) is untouched. Padding positions added to fill the last chunk have
-  weight 0.
+  instead of keeping its logits. Alone, on a 2-core CPU at [4096, 128] x [128, 8000], the
+  loss's forward and backward fall from 190 to 131 ms (one chunk's logits stay in the cache
+  while the reductions read them); in the whole Multi30k step it is as fast as the whole
+  logits (bench/README.md), so what it buys there is memory. Chunks run along the target
+  positions, so the batch axis (the one sharded over devices) is untouched. Padding positions
+  added to fill the last chunk have weight 0.
   """
   b, t, m = features.shape
   positions = max(1, min(t, -(-rows_per_chunk // b)))
