@@ -94,7 +94,7 @@ class TransformerConfig:
   # Rematerialise each layer's activations in the backward pass (saves memory, costs compute).
   remat: bool = False
   # Unroll the encoder's and decoder's layer loops (the layers stay one scanned module with
-  # stacked parameters, so checkpoints do not change). Faster steps on XLA:CPU (1.07-1.08x at the
+  # stacked parameters, so checkpoints do not change). Faster steps on XLA:CPU (1.07-1.09x at the
   # Multi30k shape: bench/README.md), longer compiles; a loop compiles faster on accelerators.
   unroll_layers: bool = False
   # How attention is computed. 'einsum': explicit softmax weights (supports attention dropout
