@@ -105,6 +105,13 @@ def test_the_mean_nll_is_the_eval_loss_without_label_smoothing(translator):
   without_pad = scoring.jitted_target_log_probs(translator.model, translator.params, src, tgt)
   real = tgt != PAD_ID
   assert np.all(np.asarray(without_pad)[real] > np.asarray(full_vocabulary)[real])
+  # The projection's chunking is a speed choice (128-row chunks on the CPU, all rows at once on
+  # accelerators): one chunk, and chunks of 7 rows (the last one padded), give the same values.
+  for rows_per_chunk in (tgt.size, 7):
+    chunked = scoring.jitted_target_log_probs(
+      translator.model, translator.params, src, tgt, rows_per_chunk=rows_per_chunk
+    )
+    np.testing.assert_allclose(chunked, without_pad, rtol=0, atol=1e-5)
 
 
 @pytest.fixture(scope='module')

@@ -11,8 +11,9 @@ API that users call (text in, text out), beside the searches it is measured agai
 
 Two more scoring rows time the compiled programs alone on the padded batches, without the
 host's work: `score_program`, the one `Translator.score` runs (`target_log_probs`), and
-`score_program_where_mask`, a prototype whose PAD mask is a `where` instead of a scatter into a
-copy of the logits, with the log-softmax reduced to one log-sum-exp (the same values). With the
+`score_program_where_mask`, a prototype that projects all rows at once and reduces them with one
+log-sum-exp (the same values; on an H200 it showed that the CPU's chunked projection and a
+scattered PAD mask cost the GPU 1.6x, since changed: bench/README.md). With the
 size's forward FLOPs (`flops.training_flops` / 3, padded lengths) and the run's peak they show
 how close scoring and greedy come to the machine: both do one forward pass of work per pair.
 

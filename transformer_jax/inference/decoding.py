@@ -241,13 +241,20 @@ def sample_decode(
 
 
 def target_log_probs(
-  model: Transformer, params, src_ids: jax.Array, tgt_ids: jax.Array, *, exclude_pad: bool = True
+  model: Transformer,
+  params,
+  src_ids: jax.Array,
+  tgt_ids: jax.Array,
+  *,
+  exclude_pad: bool = True,
+  rows_per_chunk: int | None = None,
 ) -> jax.Array:
   """log P of each target token given the source and the tokens before it: float32 [b, t].
 
   src_ids [b, s]: source pieces + EOS, then PAD; tgt_ids [b, t]: target pieces + EOS, then
   PAD. Teacher forcing: the decoder reads BOS + target and predicts target + EOS, in one
   forward pass. PAD positions get 0. `exclude_pad`: see the module docstring.
+  `rows_per_chunk`: target positions projected at once (None: the backend's choice, below).
   """
   variables = {'params': params}
   encoded = model.apply(variables, src_ids, method=Transformer.encode)
@@ -255,11 +262,15 @@ def target_log_probs(
     variables, encoded, src_ids, teacher_forcing_inputs(tgt_ids), method=Transformer.decode_features
   )  # [b, t, m]
   b, t, m = features.shape
-  # The output projection and its log-sum-exp one chunk of rows at a time: [b * t, v] logits
-  # at once (113 MB at 32 x 24 x 37,000) go to memory and back for each reduction, a chunk's
-  # stay in the cache: 297 -> 231 ms for this part at that shape (bench/README.md, issue 27).
-  chunks = -(-b * t // _SCORED_ROWS_PER_CHUNK)
-  rows = chunks * _SCORED_ROWS_PER_CHUNK
+  # On the CPU the output projection and its log-sum-exp run one chunk of rows at a time:
+  # [b * t, v] logits at once (113 MB at 32 x 24 x 37,000) go to memory and back for each
+  # reduction, a chunk's stay in the cache: 297 -> 231 ms for this part at that shape. On an
+  # accelerator the loop of small products leaves the device idle between them: one chunk
+  # (bench/README.md, issue 27).
+  if rows_per_chunk is None:
+    rows_per_chunk = _SCORED_ROWS_PER_CHUNK if jax.default_backend() == 'cpu' else b * t
+  chunks = -(-b * t // rows_per_chunk)
+  rows = chunks * rows_per_chunk
   features = jnp.pad(features.reshape(b * t, m), ((0, rows - b * t), (0, 0)))
   targets = jnp.pad(tgt_ids.reshape(b * t), (0, rows - b * t))
 
@@ -274,8 +285,8 @@ def target_log_probs(
   log_probs = jax.lax.map(
     log_probs_of_chunk,
     (
-      features.reshape(chunks, _SCORED_ROWS_PER_CHUNK, m),
-      targets.reshape(chunks, _SCORED_ROWS_PER_CHUNK),
+      features.reshape(chunks, rows_per_chunk, m),  # [chunks, rows, m]
+      targets.reshape(chunks, rows_per_chunk),
     ),
   ).reshape(rows)[: b * t]
   return jnp.where(tgt_ids == PAD_ID, 0.0, log_probs.reshape(b, t))

@@ -38,7 +38,9 @@ from transformer_jax.inference.translator import Translator, check_decoding_opti
 # that a large file's log-probabilities never all wait in memory at once (0: one at a time).
 BATCHES_IN_FLIGHT = 4
 
-jitted_target_log_probs = jax.jit(target_log_probs, static_argnames=('model', 'exclude_pad'))
+jitted_target_log_probs = jax.jit(
+  target_log_probs, static_argnames=('model', 'exclude_pad', 'rows_per_chunk')
+)
 
 
 def encode_pairs(

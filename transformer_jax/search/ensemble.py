@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from transformer_jax.search.candidates import mask_pad
 from transformer_jax.search.decode import ExtendFn, ReorderFn, StepFn
 
 
@@ -57,7 +58,7 @@ def combine_log_probs(
   for member in logits:
     member = jnp.asarray(member, jnp.float32)
     if pad_id is not None:
-      member = member.at[..., pad_id].set(-jnp.inf)
+      member = mask_pad(member, pad_id)
     log_probs.append(jax.nn.log_softmax(member, axis=-1))
   if len(log_probs) == 1:
     return log_probs[0]

@@ -13,6 +13,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from transformer_jax.search.candidates import mask_pad
+
 
 def check_prefix(prefix, prefix_lengths, batch_size: int) -> tuple[jax.Array, jax.Array] | None:
   """(prefix int32[b, P], prefix_lengths int32[b]) checked for shape, or None without a prefix.
@@ -71,7 +73,7 @@ def forced_extensions(
   """
   b, k, _ = logits.shape
   neg_inf = jnp.float32(-jnp.inf)
-  logits = logits.at[..., pad_id].set(-jnp.inf).astype(jnp.float32)
+  logits = mask_pad(logits, pad_id).astype(jnp.float32)
   token_logit = jnp.take_along_axis(logits, jnp.broadcast_to(token[:, None, None], (b, k, 1)), -1)
   logp = token_logit[..., 0] - jax.nn.logsumexp(logits, axis=-1)  # [b, k]
   candidates = jnp.where(alive_logp == neg_inf, neg_inf, alive_logp + logp)
