@@ -12,12 +12,12 @@ from transformer_jax.data import number_words
 from transformer_jax.inference import alignments
 from transformer_jax.inference.translator import AttentionMaps, Translator
 
-from conftest import tiny_config
+from conftest import copied_workdir
 
-# Measured: after 150 steps of tiny_config (~6 s of training on one core) the one-layer decoder's
-# cross attention follows the reordering; at 50 steps it does not yet, and longer runs of this
-# tiny model drift (200-400 steps align fewer held-out numbers, not more).
-TRAIN_STEPS = 150
+# Measured: after 150 steps of tiny_config (conftest's number_words_workdir, ~6 s of training on
+# one core) the one-layer decoder's cross attention follows the reordering; at 50 steps it does
+# not yet, and longer runs of this tiny model drift (200-400 steps align fewer held-out numbers,
+# not more).
 
 
 def maps_of(cross, source_tokens, target_tokens) -> AttentionMaps:
@@ -80,16 +80,10 @@ def test_pieces_merge_to_words_at_the_word_start_marks():
 
 
 @pytest.fixture(scope='module')
-def number_translator(tmp_path_factory, data_dir):
-  from transformer_jax.training import loop
-
-  config = tiny_config(data_dir)
-  config.num_train_steps = TRAIN_STEPS
-  config.checkpoint_every_steps = TRAIN_STEPS
-  config.log_every_steps = TRAIN_STEPS
-  workdir = str(tmp_path_factory.mktemp('alignment_workdir'))
-  loop.train_and_evaluate(config, workdir)
-  return Translator.from_checkpoint(workdir)
+def number_translator(number_words_workdir, tmp_path_factory):
+  return Translator.from_checkpoint(
+    copied_workdir(number_words_workdir, tmp_path_factory, 'alignment_workdir')
+  )
 
 
 def character_spans(pieces: list[str]) -> list[tuple[int, int]]:

@@ -107,6 +107,34 @@ def tiny_workdir(tmp_path_factory, data_dir):
   return path
 
 
+# Steps of `number_words_workdir`: number words out, close to the references (~9 s).
+NUMBER_WORDS_STEPS = 150
+
+
+@pytest.fixture(scope='session')
+def number_words_workdir(tmp_path_factory, data_dir):
+  """tiny_config trained NUMBER_WORDS_STEPS steps in-process, checkpoints at half way and at
+  the end (two different models, e.g. to ensemble): outputs are number words and n-best lists
+  differ. Trained once per test worker for the files that decode real outputs (alignments,
+  hypotheses, export and translate options); they read it through `copied_workdir`, so that
+  what one file writes into its workdir never reaches another."""
+  from transformer_jax.training import loop
+
+  config = tiny_config(data_dir)
+  config.num_train_steps = config.log_every_steps = NUMBER_WORDS_STEPS
+  config.checkpoint_every_steps = NUMBER_WORDS_STEPS // 2
+  path = str(tmp_path_factory.mktemp('number_words_workdir'))
+  loop.train_and_evaluate(config, path)
+  return path
+
+
+def copied_workdir(workdir: str, tmp_path_factory, name: str) -> str:
+  """A private copy of a shared workdir (a few hundred KB: milliseconds)."""
+  copy = str(tmp_path_factory.mktemp(name) / 'workdir')
+  shutil.copytree(workdir, copy)
+  return copy
+
+
 def random_weight_translator(num_encoder_layers: int = 1, num_decoder_layers: int = 1):
   """A random-weight model with a real number-words vocabulary: plumbing, not quality."""
   import flax.linen as nn

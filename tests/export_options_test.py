@@ -18,25 +18,16 @@ from transformer_jax.exporters import ctranslate2_runtime, ctranslate2_spec
 from transformer_jax.inference.options import DecodingOptions
 from transformer_jax.inference.translator import Translator
 
-from conftest import tiny_config
+from conftest import copied_workdir
 
-TRAIN_STEPS = 150  # As tests/alignments_test.py: ~9 s, outputs close to the references.
 SENTENCES = 50
 # Per-token agreement of log-probs (issue 27: float32, within 1e-4); measured <= 2.4e-6.
 PER_TOKEN = 1e-4
 
 
 @pytest.fixture(scope='module')
-def workdir(tmp_path_factory, data_dir):
-  from transformer_jax.training import loop
-
-  config = tiny_config(data_dir)
-  config.num_train_steps = TRAIN_STEPS
-  config.checkpoint_every_steps = TRAIN_STEPS
-  config.log_every_steps = TRAIN_STEPS
-  workdir = str(tmp_path_factory.mktemp('export_options') / 'workdir')
-  loop.train_and_evaluate(config, workdir)
-  return workdir
+def workdir(number_words_workdir, tmp_path_factory):
+  return copied_workdir(number_words_workdir, tmp_path_factory, 'export_options')
 
 
 @pytest.fixture(scope='module')

@@ -14,7 +14,7 @@ from transformer_jax.inference.options import DecodingOptions
 from transformer_jax.inference.translator import Translator
 from transformer_jax.search.decode import length_penalty
 
-from conftest import tiny_config
+from conftest import copied_workdir
 
 SOURCES = [
   'three hundred twelve',
@@ -28,14 +28,9 @@ SOURCES = [
 
 
 @pytest.fixture(scope='module')
-def translator(tmp_path_factory, data_dir) -> Translator:
-  """150 steps of tiny_config (~9 s): outputs are number words, n-best lists differ."""
-  from transformer_jax.training import loop
-
-  config = tiny_config(data_dir)
-  config.num_train_steps = config.checkpoint_every_steps = config.log_every_steps = 150
-  workdir = str(tmp_path_factory.mktemp('hypotheses_workdir'))
-  loop.train_and_evaluate(config, workdir)
+def translator(number_words_workdir, tmp_path_factory) -> Translator:
+  """conftest's 150-step model: outputs are number words, n-best lists differ."""
+  workdir = copied_workdir(number_words_workdir, tmp_path_factory, 'hypotheses_workdir')
   return Translator.from_checkpoint(workdir, batch_size=8)
 
 

@@ -20,7 +20,8 @@ from transformer_jax.inference import translator as translator_module
 from transformer_jax.inference.ensemble import Ensemble
 from transformer_jax.inference.translator import Translator
 
-from conftest import REPO_ROOT, tiny_config
+from conftest import NUMBER_WORDS_STEPS as STEPS
+from conftest import REPO_ROOT, copied_workdir
 
 SOURCES = ['forty-two', 'three hundred twelve', '', 'one thousand seven', 'ninety-nine', 'seven']
 REFERENCES = [
@@ -31,21 +32,13 @@ REFERENCES = [
   'neunundneunzig',
   'sieben',
 ]
-STEPS = 150
 
 
 @pytest.fixture(scope='module')
-def workdir(tmp_path_factory, data_dir) -> str:
-  """150 steps of tiny_config (~9 s): number words out, n-best lists that differ; checkpoints
-  at steps 75 and 150, two different models to ensemble."""
-  from transformer_jax.training import loop
-
-  config = tiny_config(data_dir)
-  config.num_train_steps = config.log_every_steps = STEPS
-  config.checkpoint_every_steps = STEPS // 2
-  path = str(tmp_path_factory.mktemp('options_workdir'))
-  loop.train_and_evaluate(config, path)
-  return path
+def workdir(number_words_workdir, tmp_path_factory) -> str:
+  """conftest's 150-step model: number words out, n-best lists that differ; checkpoints at
+  steps 75 and 150, two different models to ensemble."""
+  return copied_workdir(number_words_workdir, tmp_path_factory, 'options_workdir')
 
 
 @pytest.fixture(scope='module', autouse=True)
