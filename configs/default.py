@@ -164,6 +164,10 @@ def get_config() -> ml_collections.ConfigDict:
   # the logits never exist whole: the same loss up to rounding and less memory, for one more
   # output projection in the backward pass (Multi30k's 8k vocabulary: as fast; bench/README.md).
   config.loss_rows_per_chunk = 0
+  # R-Drop (Liang et al., 2021): each example runs twice under different dropout masks and the
+  # loss adds alpha x the two predictions' symmetric KL divergence (fairseq's reg_alpha; the
+  # paper used 5 on IWSLT). A step then costs about two. 0: off. Needs dropout.
+  config.rdrop_alpha = 0.0
   # Stop after this many consecutive steps whose loss or gradient is NaN/Inf (each is skipped).
   config.max_consecutive_nonfinite_steps = 10
   # Seed of parameter initialisation, dropout and data order.

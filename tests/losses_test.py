@@ -5,7 +5,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer_jax.training.losses import correct_tokens, label_smoothed_cross_entropy
+from transformer_jax.training.losses import (
+  chunked_token_metrics,
+  correct_tokens,
+  label_smoothed_cross_entropy,
+  symmetric_kl,
+)
 
 V = 7
 
@@ -135,3 +140,60 @@ def test_correct_tokens_counts_targets_with_the_highest_logit():
   assert float(correct_tokens(jnp.asarray(logits), np.zeros_like(targets), weights)) == 5.0
   logits[0, 0, 1] = 101.0
   assert float(correct_tokens(jnp.asarray(logits), np.zeros_like(targets), weights)) == 4.0
+
+
+def test_symmetric_kl_matches_the_two_divergences():
+  logits, _, weights = _example(5)
+  other, _, _ = _example(6)
+  p, q = np.exp(_log_softmax(logits)), np.exp(_log_softmax(other))
+  kl_pq = (p * (np.log(p) - np.log(q))).sum(-1)
+  kl_qp = (q * (np.log(q) - np.log(p))).sum(-1)
+  want = float((weights * (kl_pq + kl_qp)).sum())
+  assert want > 1.0
+  got = symmetric_kl(jnp.asarray(logits), jnp.asarray(other), jnp.asarray(weights))
+  np.testing.assert_allclose(float(got), want, rtol=1e-5)
+  # Zero between equal predictions, and a shift of all logits changes no probability.
+  assert float(symmetric_kl(jnp.asarray(logits), jnp.asarray(logits + 3.0), weights)) < 1e-5
+
+
+def _projection(seed=7, m=5):
+  matrix = jnp.asarray(np.random.default_rng(seed).normal(size=(m, V)), jnp.float32)
+  return lambda x: x @ matrix  # [..., m] -> [..., V]
+
+
+@pytest.mark.parametrize('rows_per_chunk', [3, 100])
+def test_rdrop_metrics_are_the_copies_mean_plus_their_weighted_kl(rows_per_chunk):
+  """Features [2b, t, m] whose rows 2i and 2i+1 are example i under two dropout masks: the
+  loss and accuracy are the copies' means, the objective adds alpha / 4 x their symmetric KL
+  (the last chunk padded when 3 rows per chunk)."""
+  _, targets, weights = _example(8)
+  b, t = targets.shape
+  rng = np.random.default_rng(9)
+  first, second = rng.normal(size=(2, b, t, 5)).astype(np.float32)
+  paired = np.stack([first, second], axis=1).reshape(2 * b, t, 5)  # rows 2i, 2i+1: example i
+  project = _projection()
+  got = chunked_token_metrics(
+    jnp.asarray(paired), project, targets, weights, 0.1, rows_per_chunk, rdrop_alpha=5.0
+  )
+  logits_1, logits_2 = np.asarray(project(first)), np.asarray(project(second))
+  loss_1, _ = _reference(logits_1, targets, weights, 0.1)
+  loss_2, _ = _reference(logits_2, targets, weights, 0.1)
+  kl = float(symmetric_kl(jnp.asarray(logits_1), jnp.asarray(logits_2), weights))
+  assert kl > 1.0
+  np.testing.assert_allclose(float(got['loss_sum']), (loss_1 + loss_2) / 2, rtol=1e-5)
+  assert float(got['token_count']) == weights.sum()
+  np.testing.assert_allclose(float(got['rdrop_kl_sum']), kl, rtol=1e-5)
+  np.testing.assert_allclose(
+    float(got['objective_sum']), (loss_1 + loss_2) / 2 + 5.0 / 4 * kl, rtol=1e-5
+  )
+
+  def correct(logits):
+    return float(((logits.argmax(-1) == targets) * weights).sum())
+
+  np.testing.assert_allclose(
+    float(got['correct_tokens']), (correct(logits_1) + correct(logits_2)) / 2
+  )
+  # One copy (no R-Drop): the plain loss, and the objective is the loss.
+  single = chunked_token_metrics(jnp.asarray(first), project, targets, weights, 0.1, rows_per_chunk)
+  np.testing.assert_allclose(float(single['loss_sum']), loss_1, rtol=1e-5)
+  assert 'rdrop_kl_sum' not in single and single['objective_sum'] is single['loss_sum']

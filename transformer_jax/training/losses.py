@@ -59,6 +59,15 @@ def correct_tokens(logits: jax.Array, targets: jax.Array, weights: jax.Array) ->
   return jnp.sum((target_logit >= jnp.max(logits, axis=-1)) * weights)
 
 
+def symmetric_kl(logits_a: jax.Array, logits_b: jax.Array, weights: jax.Array) -> jax.Array:
+  """sum over tokens of weights * (KL(p_a || p_b) + KL(p_b || p_a)), from logits [..., v] and
+  weights [...]. The two KLs together are sum_v (p_a - p_b)(log p_a - log p_b): one pass."""
+  log_p_a = jax.nn.log_softmax(logits_a.astype(jnp.float32), axis=-1)
+  log_p_b = jax.nn.log_softmax(logits_b.astype(jnp.float32), axis=-1)
+  per_token = jnp.sum((jnp.exp(log_p_a) - jnp.exp(log_p_b)) * (log_p_a - log_p_b), axis=-1)
+  return jnp.sum(per_token * weights)
+
+
 def chunked_token_metrics(
   features: jax.Array,
   project,
@@ -66,11 +75,13 @@ def chunked_token_metrics(
   weights: jax.Array,
   label_smoothing: float,
   rows_per_chunk: int,
+  rdrop_alpha: float = 0.0,
 ) -> dict[str, jax.Array]:
   """`label_smoothed_cross_entropy` and `correct_tokens` from the decoder's output features
-  [b, t, m] and `project` ([b, c, m] -> float32 logits [b, c, v]), a few target positions at a
+  [b, t, m] and `project` ([..., m] -> float32 logits [..., v]), a few target positions at a
   time, so that the [b, t, v] logits never exist whole. Returns the metrics dict of
-  `training.step.compute_metrics` (loss_sum, token_count, correct_tokens).
+  `training.step.compute_metrics` (loss_sum, token_count, correct_tokens) and 'objective_sum',
+  the sum whose mean over token_count is minimised.
 
   Each chunk of c = ceil(rows_per_chunk / b) positions is projected, reduced and dropped; its
   backward pass projects it again (`jax.checkpoint`: one more [rows, m] x [m, v] product)
@@ -80,13 +91,24 @@ def chunked_token_metrics(
   logits (bench/README.md), so what it buys there is memory. Chunks run along the target
   positions, so the batch axis (the one sharded over devices) is untouched. Padding positions
   added to fill the last chunk have weight 0.
+
+  R-Drop (Liang et al., 2021), when features is [2b, t, m]: rows 2i and 2i+1 are the same
+  example under two dropout masks. loss_sum and correct_tokens are then the means of the two
+  copies' (so the logged loss reads as without R-Drop), and the objective adds
+  rdrop_alpha / 4 x (KL(p1 || p2) + KL(p2 || p1)) per token: the paper's
+  NLL_1 + NLL_2 + alpha / 2 x (KL + KL), halved, as fairseq's `reg_alpha` weighs it.
   """
-  b, t, m = features.shape
-  positions = max(1, min(t, -(-rows_per_chunk // b)))
+  b, t = targets.shape
+  copies = features.shape[0] // b
+  m = features.shape[-1]
+  # [copies * b, t, m] -> [b, t, copies, m]: an example's copies are adjacent rows, so a device
+  # holding a block of rows holds both copies of each of its examples.
+  features = jnp.moveaxis(features.reshape(b, copies, t, m), 1, 2)
+  positions = max(1, min(t, -(-rows_per_chunk // (b * copies))))
   chunks = -(-t // positions)
   padding = chunks * positions - t
   if padding:
-    features = jnp.pad(features, ((0, 0), (0, padding), (0, 0)))
+    features = jnp.pad(features, ((0, 0), (0, padding), (0, 0), (0, 0)))
     targets = jnp.pad(targets, ((0, 0), (0, padding)))
     weights = jnp.pad(weights, ((0, 0), (0, padding)))
 
@@ -96,17 +118,30 @@ def chunked_token_metrics(
   @jax.checkpoint
   def chunk_metrics(chunk):
     chunk_features, chunk_targets, chunk_weights = chunk
-    logits = project(chunk_features)  # [b, c, v]
+    logits = project(chunk_features)  # [b, c, copies, v]
+    copy_targets = jnp.broadcast_to(chunk_targets[..., None], logits.shape[:-1])
+    copy_weights = jnp.broadcast_to(chunk_weights[..., None], logits.shape[:-1]) / copies
     loss_sum, weight_sum = label_smoothed_cross_entropy(
-      logits, chunk_targets, chunk_weights, label_smoothing
+      logits, copy_targets, copy_weights, label_smoothing
     )
-    return loss_sum, weight_sum, correct_tokens(logits, chunk_targets, chunk_weights)
+    kl_sum = (
+      symmetric_kl(logits[:, :, 0], logits[:, :, 1], chunk_weights)
+      if copies == 2
+      else jnp.zeros((), jnp.float32)
+    )
+    return loss_sum, weight_sum, correct_tokens(logits, copy_targets, copy_weights), kl_sum
 
-  loss_sums, weight_sums, corrects = jax.lax.map(
+  loss_sums, weight_sums, corrects, kl_sums = jax.lax.map(
     chunk_metrics, (to_chunks(features), to_chunks(targets), to_chunks(weights))
   )
-  return {
-    'loss_sum': jnp.sum(loss_sums),
+  loss_sum = jnp.sum(loss_sums)
+  metrics = {
+    'loss_sum': loss_sum,
     'token_count': jnp.sum(weight_sums),
     'correct_tokens': jnp.sum(corrects),
+    'objective_sum': loss_sum,
   }
+  if copies == 2:
+    metrics['rdrop_kl_sum'] = jnp.sum(kl_sums)
+    metrics['objective_sum'] = loss_sum + rdrop_alpha / 4 * metrics['rdrop_kl_sum']
+  return metrics

@@ -88,6 +88,8 @@ class TrainingLog:
       'train/steps_per_second': steps_per_second,
       'train/skipped_steps': float(skipped_steps),
     }
+    if 'rdrop_kl_sum' in totals[-1]:  # R-Drop: the two dropout copies' KL(p1||p2) + KL(p2||p1).
+      scalars['train/rdrop_kl'] = sum(float(m['rdrop_kl_sum']) for m in totals) / max(tokens, 1.0)
     self._writer.write_scalars(step, scalars)
     eta = (self._num_train_steps - step) / max(steps_per_second, 1e-9)
     log(

@@ -327,6 +327,14 @@ def _validate_optimiser(config) -> None:
       'config.loss_rows_per_chunk must be a non-negative integer (0: no chunks), got '
       f'{config.loss_rows_per_chunk!r}'
     )
+  check_number_at_least('config.rdrop_alpha', config.rdrop_alpha, 0)
+  if not math.isfinite(config.rdrop_alpha):
+    raise UserInputError(f'config.rdrop_alpha must be finite, got {config.rdrop_alpha!r}')
+  if config.rdrop_alpha and not (config.model.dropout_rate or config.model.attention_dropout_rate):
+    raise UserInputError(
+      f'config.rdrop_alpha={config.rdrop_alpha} compares two dropout masks, but '
+      'config.model.dropout_rate and attention_dropout_rate are 0'
+    )
   check_fraction('config.cooldown_fraction', config.cooldown_fraction)
   if config.learning_rate_schedule not in optim.SCHEDULES:
     raise UserInputError(

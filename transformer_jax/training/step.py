@@ -60,6 +60,7 @@ def train_step(
   label_smoothing: float,
   grad_accum_steps: int = 1,
   loss_rows_per_chunk: int = 0,
+  rdrop_alpha: float = 0.0,
 ) -> tuple[TrainState, dict]:
   """One optimiser step on a batch {'inputs': [b, s], 'targets': [b, t]} (int32, 0 = pad).
 
@@ -74,34 +75,48 @@ def train_step(
   With grad_accum_steps = k > 1 the batch is cut into k micro-batches of b/k rows, run one
   after another (a `lax.scan`, so activations of only one are alive at a time); their summed
   gradient, divided by the whole batch's token count, is exactly the gradient of the batch.
+
+  With rdrop_alpha > 0 (R-Drop, Liang et al., 2021) each example runs twice under different
+  dropout masks (a batch of 2b rows, so a step costs about two), and the loss adds the two
+  copies' symmetric KL divergence, weighted by rdrop_alpha (`losses.chunked_token_metrics`);
+  the metrics' loss is the copies' mean label-smoothed cross-entropy, and 'rdrop_kl_sum' their
+  summed KL(p1 || p2) + KL(p2 || p1).
   """
   dropout_rng = jax.random.fold_in(state.dropout_rng, state.step)
 
   def loss_sum_and_metrics(params, micro_batch, rng):
     targets = micro_batch['targets']
-    packing = batching.packing_model_args(micro_batch)
     weights = (targets != PAD_ID).astype(jnp.float32)
+    if rdrop_alpha:
+      # [b, ...] -> [2b, ...]: rows 2i and 2i+1 are example i (adjacent, so a device's block
+      # of rows keeps both copies of its examples).
+      micro_batch = jax.tree_util.tree_map(lambda x: jnp.repeat(x, 2, axis=0), micro_batch)
+    packing = batching.packing_model_args(micro_batch)
     apply = functools.partial(
       model.apply,
       {'params': params},
       micro_batch['inputs'],
-      shift_right(targets, packing.get('tgt_segment_ids')),
+      shift_right(micro_batch['targets'], packing.get('tgt_segment_ids')),
       deterministic=False,
       rngs={'dropout': rng},
       **packing,
     )
-    if loss_rows_per_chunk:
+    if loss_rows_per_chunk or rdrop_alpha:
       metrics = chunked_token_metrics(
-        apply(method=Transformer.features),  # [b, t, m]
+        apply(method=Transformer.features),  # [b, t, m], or [2b, t, m] with R-Drop
         lambda x: model.apply({'params': params}, x, method=Transformer.output_logits),
         targets,
         weights,
         label_smoothing,
-        loss_rows_per_chunk,
+        # Without chunks, R-Drop's loss takes all positions at once.
+        loss_rows_per_chunk or 2 * targets.size,
+        rdrop_alpha,
       )
+      objective_sum = metrics.pop('objective_sum')
     else:
       metrics = compute_metrics(apply(), targets, weights, label_smoothing)
-    return metrics['loss_sum'], metrics
+      objective_sum = metrics['loss_sum']
+    return objective_sum, metrics
 
   if grad_accum_steps == 1:
     # The gradient of the mean loss itself (not the sum's gradient divided afterwards): the

@@ -74,6 +74,7 @@ class Trainer:
         label_smoothing=config.label_smoothing,
         grad_accum_steps=config.grad_accum_steps,
         loss_rows_per_chunk=config.loss_rows_per_chunk,
+        rdrop_alpha=config.rdrop_alpha,
       ),
       in_shardings=(self.state_shardings, self.batch_sharding),
       out_shardings=(self.state_shardings, replicated),
