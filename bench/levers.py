@@ -10,7 +10,10 @@ loss in chunks of 512 rows) on 128 pairs x 32 tokens, the size of its 4k-token b
 variants undo what that config and the library do for speed: `layer_loop` (the layers as a
 loop: `unroll_layers` off), `whole_logits` (`loss_rows_per_chunk` 0), `argmax_accuracy` (the
 correct-token count by an argmax over the logits, as before `losses.correct_tokens`) and
-`none_of_the_three`.
+`none_of_the_three`; and two recipe levers' step cost: `rdrop` (R-Drop, `rdrop_alpha` 5: every
+example twice) and `vocab_5000` (a 5,000-piece vocabulary instead of 8,000; its MFU column still
+counts 8,000 pieces' FLOPs). With `vocab_5000` among the variants, every variant's batches draw
+ids below 5,000.
 
 Every variant's training step is compiled first; then each round times `--steps` steps of every
 variant in turn, so a noisy machine slows all variants alike. The table gives each variant's
@@ -94,11 +97,14 @@ _CONFIG_CHANGES = {
   'whole_logits': {},
   'argmax_accuracy': {},
   'none_of_the_three': dict(unroll_layers=False),
+  'rdrop': {},
+  'vocab_5000': dict(vocab_size=5000),
 }
 # Training-config changes of the variants (the rest change only the model config).
 _TRAINING_CHANGES = {
   'whole_logits': dict(loss_rows_per_chunk=0),
   'none_of_the_three': dict(loss_rows_per_chunk=0),
+  'rdrop': dict(rdrop_alpha=5.0),
 }
 
 
@@ -236,13 +242,18 @@ def main(argv):
     raise app.UsageError(f'unknown variant(s) {unknown}; known: {sorted(_CONFIG_CHANGES)}')
   spec = _size_spec(FLAGS.size)
   rng = np.random.default_rng(0)
+  # Ids every variant's embedding can look up: the smallest vocabulary among the variants.
+  batch_vocab_size = min(
+    [spec.model_config.vocab_size]
+    + [_CONFIG_CHANGES[v]['vocab_size'] for v in FLAGS.variants if 'vocab_size' in _CONFIG_CHANGES[v]]
+  )
   batches = [
     training.synthetic_batch(
       rng,
       spec.rows_per_device,
       spec.source_length,
       spec.target_length,
-      spec.model_config.vocab_size,
+      batch_vocab_size,
     )
     for _ in range(2)
   ]
