@@ -6,7 +6,8 @@
         --variants=baseline,layer_loop,whole_logits,argmax_accuracy,none_of_the_three
 
 `--size=multi30k` is `configs/multi30k.py`'s model and training config (unrolled layers, the
-loss in chunks of 512 rows) on 128 pairs x 32 tokens, the size of its 4k-token batches. Its
+loss in chunks of 512 rows) on 128 pairs x 32 tokens, the size of its 4k-token batches
+(`--multi30k_rows` and `--multi30k_length` change the batch, to time other batch sizes). Its
 variants undo what that config and the library do for speed: `layer_loop` (the layers as a
 loop: `unroll_layers` off), `whole_logits` (`loss_rows_per_chunk` 0), `argmax_accuracy` (the
 correct-token count by an argmax over the logits, as before `losses.correct_tokens`) and
@@ -77,6 +78,10 @@ flags.DEFINE_list(
   ],
   'variants to compare; the first is the reference',
 )
+flags.DEFINE_integer(
+  'multi30k_rows', 128, "--size=multi30k's batch rows (128 x 32: its 4k-token batch)"
+)
+flags.DEFINE_integer('multi30k_length', 32, "--size=multi30k's source and target length")
 flags.DEFINE_integer('rounds', 6, 'timing rounds (each times every variant)')
 flags.DEFINE_integer('steps', 3, 'steps per variant per round')
 FLAGS = flags.FLAGS
@@ -185,8 +190,8 @@ def _size_spec(size):
     return training.size_spec(size, default.get_config(), dtype='float32')
   config = multi30k.get_config()
   config.batching = 'fixed'
-  config.per_device_batch_size = 128
-  config.max_source_length = config.max_target_length = 32
+  config.per_device_batch_size = FLAGS.multi30k_rows
+  config.max_source_length = config.max_target_length = FLAGS.multi30k_length
   return training.size_spec('tiny', config, dtype='float32')
 
 
@@ -245,7 +250,9 @@ def main(argv):
   # Ids every variant's embedding can look up: the smallest vocabulary among the variants.
   batch_vocab_size = min(
     [spec.model_config.vocab_size]
-    + [_CONFIG_CHANGES[v]['vocab_size'] for v in FLAGS.variants if 'vocab_size' in _CONFIG_CHANGES[v]]
+    + [
+      _CONFIG_CHANGES[v]['vocab_size'] for v in FLAGS.variants if 'vocab_size' in _CONFIG_CHANGES[v]
+    ]
   )
   batches = [
     training.synthetic_batch(
