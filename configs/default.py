@@ -157,6 +157,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.adam_eps = 1e-9
   # Clip gradients to this global norm; 0 disables (the paper does not clip).
   config.grad_clip_norm = 0.0
+  # Decoupled weight decay (AdamW): each step also moves every matrix by -lr x weight_decay x
+  # itself (biases and layer-norm scales excepted). The paper has none; fairseq's low-resource
+  # recipes use 1e-4. 0: off (the paper's Adam). On resume it may change, but not to or from 0.
+  config.weight_decay = 0.0
   # Label smoothing epsilon_ls (the paper: 0.1).
   config.label_smoothing = 0.1
   # 0: the loss reads the whole [batch, length, vocab] logits. r > 0: it projects the decoder's
@@ -165,8 +169,8 @@ def get_config() -> ml_collections.ConfigDict:
   # output projection in the backward pass (Multi30k's 8k vocabulary: as fast; bench/README.md).
   config.loss_rows_per_chunk = 0
   # R-Drop (Liang et al., 2021): each example runs twice under different dropout masks and the
-  # loss adds alpha x the two predictions' symmetric KL divergence (fairseq's reg_alpha; the
-  # paper used 5 on IWSLT). A step then costs about two. 0: off. Needs dropout.
+  # loss adds alpha / 4 x the two predictions' KL(p1||p2) + KL(p2||p1) (fairseq's reg_alpha; the
+  # paper used 5 on IWSLT). A step then costs ~2.3x (Multi30k's model). 0: off. Needs dropout.
   config.rdrop_alpha = 0.0
   # Stop after this many consecutive steps whose loss or gradient is NaN/Inf (each is skipped).
   config.max_consecutive_nonfinite_steps = 10

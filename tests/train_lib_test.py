@@ -3,6 +3,7 @@
 import functools
 import os
 
+import flax
 import jax
 import numpy as np
 import pytest
@@ -122,6 +123,8 @@ def test_time_limit_ends_the_run_with_an_evaluation_and_a_checkpoint(tmp_path, d
     ('loss_rows_per_chunk', -1),
     ('rdrop_alpha', -1.0),
     ('rdrop_alpha', 5.0),  # The tiny config has no dropout: nothing for R-Drop to compare.
+    ('weight_decay', -0.1),
+    ('weight_decay', float('nan')),
   ],
 )
 def test_invalid_config_names_the_field(tmp_path, data_dir, field, value):
@@ -129,6 +132,35 @@ def test_invalid_config_names_the_field(tmp_path, data_dir, field, value):
   config[field] = value
   with pytest.raises(UserInputError, match=f'config.{field}'):
     loop.train_and_evaluate(config, str(tmp_path))
+
+
+def test_weight_decay_shrinks_the_matrices_and_resumes(tmp_path, data_dir, tiny_workdir):
+  config = tiny_config(data_dir)
+  config.weight_decay = 1.0
+  loop.train_and_evaluate(config, str(tmp_path))
+  step, decayed = _final_params(tmp_path)
+  assert step == 8
+  _, plain = _final_params(tiny_workdir)  # The same run without weight decay.
+
+  def squared_norms(params, matrices):
+    flat = flax.traverse_util.flatten_dict(params)
+    names = {'kernel', 'embedding'}
+    return sum(float(np.sum(np.square(x))) for k, x in flat.items() if (k[-1] in names) == matrices)
+
+  # Each step moves every matrix by -lr x 1.0 x itself besides Adam's step: the matrices' squared
+  # norm ends 0.888x the plain run's. Vectors (biases, layer-norm scales, stacked per layer:
+  # [layers, d]) are not decayed; they differ only through the gradients (1.00004x).
+  assert squared_norms(decayed, True) < 0.95 * squared_norms(plain, True)
+  assert squared_norms(decayed, False) == pytest.approx(squared_norms(plain, False), rel=1e-3)
+
+  # AdamW's state restores: its rate may change on resume, but not to or from 0.
+  config.num_train_steps, config.weight_decay = 12, 0.5
+  loop.train_and_evaluate(config, str(tmp_path))
+  assert _final_params(tmp_path)[0] == 12
+  config.num_train_steps, config.weight_decay = 16, 0.0
+  with pytest.raises(UserInputError, match=r'config\.weight_decay > 0: True -> False'):
+    loop.train_and_evaluate(config, str(tmp_path))
+  assert _final_params(tmp_path)[0] == 12
 
 
 def test_invalid_model_size_names_the_field(tmp_path, data_dir):
@@ -146,9 +178,9 @@ def test_gradient_accumulation_chunked_loss_and_unrolled_layers_equal_the_plain_
   """Two steps of the same packed batch give the same loss, gradient norm and parameters
   with the gradient accumulated over 4 micro-batches, with the loss projected a few positions
   at a time with the layer loops unrolled (2 + 2 layers; 24 rows per chunk: 3 of the 16
-  positions of 8 rows, so the last chunk is padded), and with all three at once (6 rows: 3
-  positions of each 2-row micro-batch), and with R-Drop, whose two copies of each example are
-  the same without dropout (so its KL term is 0 and its loss the plain one)."""
+  positions of 8 rows, so the last chunk is padded), and with all of them and R-Drop at once
+  (6 rows: 3 positions of each 2-row micro-batch; R-Drop's two copies of each example are the
+  same without dropout, so its KL term is 0 and its loss the plain one)."""
   config = tiny_config(str(tmp_path))
   config.learning_rate_scale = 1.0
   config.model.num_encoder_layers = config.model.num_decoder_layers = 2
@@ -174,8 +206,8 @@ def test_gradient_accumulation_chunked_loss_and_unrolled_layers_equal_the_plain_
   batch['inputs_positions'] = np.tile(np.arange(24, dtype=np.int32), (rows, 1))
   results = {}
   # (gradient accumulation steps, loss rows per chunk, unrolled layers, R-Drop's alpha)
-  variants = [(1, 0, False, 0.0), (4, 0, False, 0.0), (1, 24, True, 0.0), (4, 6, True, 0.0)]
-  variants += [(1, 0, False, 5.0), (4, 6, False, 5.0)]
+  # The last is all four at once: without dropout R-Drop's copies are the plain step's rows.
+  variants = [(1, 0, False, 0.0), (4, 0, False, 0.0), (1, 24, True, 0.0), (4, 6, True, 5.0)]
   for k, rows_per_chunk, unroll, rdrop_alpha in variants:
     config.grad_accum_steps = k
     config.loss_rows_per_chunk = rows_per_chunk
@@ -223,16 +255,17 @@ def test_rdrop_brings_the_two_dropout_predictions_together(tmp_path):
   }
   batch = {key: value.astype(np.int32) for key, value in batch.items()}
   disagreement, losses = {}, {}
+  probe = None
   for alpha in (0.0, 5.0):
     config.rdrop_alpha = alpha
     trainer = training_trainer.Trainer(config, model_config)
     state = trainer.init_state(seed=0)
-    for _ in range(40):
+    for _ in range(20):
       state, metrics = trainer.step(state, batch)
     losses[alpha] = float(metrics['loss_sum']) / float(metrics['token_count'])
     # Two dropout passes of the trained model over the batch (masks unlike training's): R-Drop's
-    # own step measures them.
-    probe = jax.jit(
+    # own step measures them (one program for both models).
+    probe = probe or jax.jit(
       functools.partial(
         training_step.train_step,
         model=trainer.model,

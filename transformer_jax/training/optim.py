@@ -1,5 +1,6 @@
 """The paper's optimiser: Adam(0.9, 0.98, 1e-9) with the inverse-square-root warmup schedule,
-optionally ending in a linear cooldown to zero (`cooldown_steps`; the paper has none).
+optionally ending in a linear cooldown to zero (`cooldown_steps`; the paper has none), and
+optionally decoupled weight decay (AdamW; the paper has none).
 
 For fine-tuning a pretrained model (`import_marian`) the paper's schedule is wrong: it assumes
 training from scratch, and its peak (d_model^-0.5 / sqrt(warmup)) is far above what a trained
@@ -8,6 +9,7 @@ model tolerates. `schedule='constant'` warms up linearly to a given `learning_ra
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import optax
 
@@ -73,15 +75,44 @@ def make_optimizer(
   grad_clip_norm: float = 0.0,
   schedule: str = 'rsqrt',
   learning_rate: float = 0.0,
+  weight_decay: float = 0.0,
 ) -> tuple[optax.GradientTransformation, optax.Schedule]:
   """Adam with `schedule`: 'rsqrt' (the paper's; learning_rate_scale multiplies it) or
-  'constant' (`constant_schedule` to learning_rate), then the cooldown."""
+  'constant' (`constant_schedule` to learning_rate), then the cooldown.
+
+  weight_decay > 0 makes it AdamW (Loshchilov & Hutter, 2019): each step also moves every
+  matrix (kernels, embeddings) by -lr(step) x weight_decay x itself, outside Adam's
+  normalisation, as fairseq's and PyTorch's AdamW do; biases and layer-norm scales are not
+  decayed (`decays_weight`). With 0 the optimiser state has the paper's Adam's layout,
+  so checkpoints of runs without weight decay are unchanged.
+  """
   if schedule == 'constant':
     schedule = constant_schedule(learning_rate, warmup_steps)
   else:
     schedule = rsqrt_schedule(d_model, warmup_steps, learning_rate_scale)
   schedule = with_cooldown(schedule, total_steps, cooldown_steps)
-  optimizer = optax.adam(schedule, b1=b1, b2=b2, eps=eps)
+  if weight_decay > 0:
+    optimizer = optax.adamw(
+      schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=decays_weight
+    )
+  else:
+    optimizer = optax.adam(schedule, b1=b1, b2=b2, eps=eps)
   if grad_clip_norm > 0:
     optimizer = optax.chain(optax.clip_by_global_norm(grad_clip_norm), optimizer)
   return optimizer, schedule
+
+
+DECAYED_PARAMETERS = ('kernel', 'embedding')
+
+
+def decays_weight(params):
+  """Which parameters weight decay acts on: Flax's matrices by name (`kernel`, `embedding`),
+  not the vectors (`bias`, layer-norm `scale`), whose decay would only pull them towards 0 (the
+  usual exclusion: BERT, MaxText, Hugging Face). By name, not by rank: the layers' parameters
+  are stacked, so a layer-norm scale is [layers, d_model]."""
+
+  def decayed(path, leaf):
+    names = [key.key for key in path if isinstance(key, jax.tree_util.DictKey)]
+    return bool(names) and names[-1] in DECAYED_PARAMETERS
+
+  return jax.tree_util.tree_map_with_path(decayed, params)

@@ -72,6 +72,9 @@ def _resume_fields(config_dict: dict, model: dict) -> dict:
     for part in name.split('.'):
       value = value.get(part) if isinstance(value, dict) else None
     fields[name] = value
+  # AdamW's optimiser state has another layout than Adam's: its rate may change on resume, but
+  # not to or from 0. (Workdirs written before the field existed ran without it.)
+  fields['config.weight_decay > 0'] = bool(config_dict.get('weight_decay') or 0)
   return fields
 
 
@@ -322,6 +325,9 @@ def _validate_optimiser(config) -> None:
     check_fraction(f'config.{name}', config[name])
   check_number_at_least('config.grad_clip_norm', config.grad_clip_norm, 0)
   check_fraction('config.label_smoothing', config.label_smoothing)
+  check_number_at_least('config.weight_decay', config.weight_decay, 0)
+  if not math.isfinite(config.weight_decay):
+    raise UserInputError(f'config.weight_decay must be finite, got {config.weight_decay!r}')
   if not (is_integer(config.loss_rows_per_chunk) and config.loss_rows_per_chunk >= 0):
     raise UserInputError(
       'config.loss_rows_per_chunk must be a non-negative integer (0: no chunks), got '

@@ -56,6 +56,7 @@ class Trainer:
       grad_clip_norm=config.grad_clip_norm,
       schedule=config.learning_rate_schedule,
       learning_rate=config.learning_rate,
+      weight_decay=config.weight_decay,
     )
     self.batch_sharding = sharding.batch_sharding(self.mesh)
     abstract = jax.eval_shape(self._init_state, jax.random.PRNGKey(0))
