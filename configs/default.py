@@ -151,6 +151,13 @@ def get_config() -> ml_collections.ConfigDict:
   # parameters carry that noise, and the hardest category (millions) lands at 98.0-98.2%
   # instead of 99.8-100% (README, "The default task").
   config.cooldown_fraction = 0.25
+  # Minutes at the end of train_time_limit_minutes over which the learning rate falls linearly
+  # to 0 (0: none). The steps the budget allows are known only as it runs: when this many
+  # minutes remain, the loop measures its step rate (evaluations and checkpoints included) and
+  # places a cooldown of the steps that fit, saved with the checkpoints (a resumed run keeps
+  # it), then stops when it ends. Needs train_time_limit_minutes, and cooldown_fraction 0; on
+  # resume it may change, but not to or from 0 (it adds to the optimiser's state).
+  config.cooldown_minutes = 0.0
   # Adam hyperparameters (the paper: 0.9, 0.98, 1e-9).
   config.adam_b1 = 0.9
   config.adam_b2 = 0.98

@@ -185,3 +185,39 @@ def test_no_weight_decay_is_the_papers_adam_with_its_state_layout():
   # Checkpoints of AdamW runs have another layout: train.py refuses to resume across 0
   # (tests/bad_input_test.py).
   assert structure(decayed.init(params)) != structure(plain.init(params))
+
+
+def test_timed_cooldown_scales_the_updates_from_where_it_is_placed():
+  from transformer_jax.training import optim
+
+  params = {'kernel': jnp.ones((2, 3)), 'bias': jnp.zeros(3)}
+  plain, _ = make_optimizer(d_model=128, warmup_steps=4)
+  timed, _ = make_optimizer(d_model=128, warmup_steps=4, timed=True)
+  grads = [
+    jax.tree_util.tree_map(lambda p, i=i: jnp.full_like(p, (-1.0) ** i * (i + 1)), params)
+    for i in range(8)
+  ]
+  plain_state, timed_state = plain.init(params), timed.init(params)
+  assert optim.timed_cooldown_remaining(timed_state) is None
+  assert optim.timed_cooldown_remaining(plain_state) is None
+  factors = []
+  for i, g in enumerate(grads):
+    if i == 3:  # Placed after 3 updates: the next 4 get 4/4, 3/4, 2/4, 1/4 of the rate, then 0.
+      timed_state = optim.start_timed_cooldown(timed_state, jnp.int32(4))
+      assert optim.timed_cooldown_remaining(timed_state) == 4
+    expected, plain_state = plain.update(g, plain_state, params)
+    got, timed_state = timed.update(g, timed_state, params)
+    factors.append(float(got['kernel'][0, 0] / expected['kernel'][0, 0]))
+    np.testing.assert_allclose(got['bias'], factors[-1] * expected['bias'], rtol=1e-6)
+  np.testing.assert_allclose(factors, [1, 1, 1, 1, 0.75, 0.5, 0.25, 0], rtol=1e-6)
+  assert optim.timed_cooldown_remaining(timed_state) == 0
+  # The learning rate the step reports (`step.train_step`) carries the same factor.
+  assert float(optim.learning_rate_factor(timed_state)) == 0.0
+  assert optim.learning_rate_factor(plain_state) == 1.0
+  # Off, the state keeps Adam's layout (checkpoints unchanged); on, it adds three scalars.
+  structure = jax.tree_util.tree_structure
+  unused, _ = make_optimizer(d_model=128, warmup_steps=4, timed=False)
+  assert structure(unused.init(params)) == structure(plain.init(params))
+  assert (
+    len(jax.tree_util.tree_leaves(timed_state)) == len(jax.tree_util.tree_leaves(plain_state)) + 3
+  )

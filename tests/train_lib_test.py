@@ -13,7 +13,7 @@ from transformer_jax.common.errors import UserInputError
 from transformer_jax.data import input_pipeline
 from transformer_jax.data.tokenizer import Tokenizer
 from transformer_jax.inference.translator import Translator
-from transformer_jax.training import loop, metric_writers, run_config
+from transformer_jax.training import loop, metric_writers, optim, run_config
 from transformer_jax.training import step as training_step
 from transformer_jax.training import trainer as training_trainer
 from transformer_jax.workdir.layout import Workdir
@@ -115,6 +115,74 @@ def test_time_limit_ends_the_run_with_an_evaluation_and_a_checkpoint(tmp_path, d
   assert [step for step, _, _ in scalars['eval/loss']] == [1, 20, 40, 50]
 
 
+class _TickingClock:
+  """Seconds that advance by one at every reading, jumping a day ahead from reading
+  `jump_at` on. The loop reads its budget's clock once per step (`loop._TimeLimit`), so a
+  budget in minutes ends, and its cooldown starts, at the same step in every run."""
+
+  def __init__(self, jump_at: int | None = None):
+    self.readings, self.jump_at = 0, jump_at
+
+  def __call__(self) -> float:
+    self.readings += 1
+    jumped = self.jump_at is not None and self.readings >= self.jump_at
+    return self.readings + (86_400.0 if jumped else 0.0)
+
+
+def test_timed_cooldown_ends_the_budget_and_resumes_as_uninterrupted(
+  tmp_path, data_dir, monkeypatch
+):
+  config = tiny_config(data_dir)
+  config.num_train_steps = 200
+  config.log_every_steps = 1
+  config.checkpoint_every_steps = 10
+  config.train_time_limit_minutes = 1.0  # 60 readings of the clock.
+  config.cooldown_minutes = 0.25
+  # Readings: 1 at the start, 2 after the first step, then step s reads s + 2. At step 44,
+  # 15 s are left and 43 steps took 44 s: the cooldown is int(43 / 44 * 15) = 14 steps, and the
+  # run stops at step 58, before the limit (step 59).
+  monkeypatch.setattr(loop, '_wall_clock', _TickingClock())
+  uninterrupted = tmp_path / 'uninterrupted'
+  loop.train_and_evaluate(config, str(uninterrupted))
+  step, params = _final_params(uninterrupted)
+  assert step == 58
+  rates = {
+    s: v
+    for s, _, v in metric_writers.read_scalars(uninterrupted / 'tensorboard')['train/learning_rate']
+  }
+  assert sorted(rates) == list(range(1, 59))
+  schedule = optim.rsqrt_schedule(config.model.d_model, config.warmup_steps, 0.3)
+  for s in range(1, 59):  # Step s applies update s - 1 at schedule(s - 1) x the factor.
+    factor = min(1.0, (59 - s) / 14)
+    assert rates[s] == pytest.approx(float(schedule(s - 1)) * factor, rel=1e-5), s
+  # Rerun: the cooldown is over, nothing is left to train.
+  loop.train_and_evaluate(config, str(uninterrupted))
+  assert _final_params(uninterrupted)[0] == 58
+
+  # The same run cut by its limit at step 50 (its clock jumps at the 52nd reading), mid-
+  # cooldown, then resumed with a fresh budget: the cooldown comes back with the checkpoint,
+  # and the run ends at step 58 with the same parameters, bit for bit.
+  resumed = tmp_path / 'resumed'
+  monkeypatch.setattr(loop, '_wall_clock', _TickingClock(jump_at=52))
+  loop.train_and_evaluate(config, str(resumed))
+  assert _final_params(resumed)[0] == 50
+  monkeypatch.setattr(loop, '_wall_clock', _TickingClock())
+  loop.train_and_evaluate(config, str(resumed))
+  step, resumed_params = _final_params(resumed)
+  assert step == 58
+  jax.tree_util.tree_map(np.testing.assert_array_equal, resumed_params, params)
+
+  # Its state is in the optimiser's: a resume may not switch it off.
+  config.cooldown_minutes = 0.0
+  with pytest.raises(UserInputError, match=r'config\.cooldown_minutes > 0: True -> False'):
+    loop.train_and_evaluate(config, str(resumed))
+  # And it is one cooldown or the other, checked before any work.
+  config.cooldown_minutes, config.cooldown_fraction = 0.25, 0.1
+  with pytest.raises(UserInputError, match='are two cooldowns'):
+    loop.train_and_evaluate(config, str(tmp_path / 'both'))
+  assert not (tmp_path / 'both').exists()
+
+
 @pytest.mark.parametrize(
   'field, value',
   [
@@ -125,6 +193,8 @@ def test_time_limit_ends_the_run_with_an_evaluation_and_a_checkpoint(tmp_path, d
     ('rdrop_alpha', 5.0),  # The tiny config has no dropout: nothing for R-Drop to compare.
     ('weight_decay', -0.1),
     ('weight_decay', float('nan')),
+    ('cooldown_minutes', -1.0),
+    ('cooldown_minutes', 5.0),  # The tiny config has no time limit for it to end.
   ],
 )
 def test_invalid_config_names_the_field(tmp_path, data_dir, field, value):

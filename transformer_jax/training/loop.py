@@ -19,7 +19,7 @@ from transformer_jax.common.errors import CorruptCheckpointError, NonFiniteError
 from transformer_jax.common.log import format_duration, log
 from transformer_jax.data import input_pipeline, subword_sampling
 from transformer_jax.evaluation import metrics
-from transformer_jax.training import host_memory
+from transformer_jax.training import host_memory, optim
 from transformer_jax.training.metric_writers import MetricWriter, TrainingLog
 from transformer_jax.training.preemption import PreemptionFlag as _PreemptionFlag
 from transformer_jax.training.run_config import (
@@ -206,7 +206,12 @@ class _Run:
 def _train_and_evaluate(
   config, workdir: Workdir, preemption: _PreemptionFlag, lock
 ) -> dict[str, float]:
-  time_limit = _TimeLimit(config.train_time_limit_minutes, config.log_every_steps)
+  time_limit = _TimeLimit(
+    config.train_time_limit_minutes,
+    config.cooldown_minutes,
+    config.log_every_steps,
+    _wall_clock,
+  )
   try:
     run = _Run(config, workdir)
   except OSError as error:  # What the checks above cannot see: a read-only file or subfolder.
@@ -223,30 +228,59 @@ def _every(step: int, interval: int, last_step: int) -> bool:
   return step % interval == 0 or step == last_step
 
 
+# The wall clock of the time budget (tests give the loop a clock of their own).
+_wall_clock = time.time
+
+
 class _TimeLimit:
-  """`config.train_time_limit_minutes` of wall clock (0: none), as fairseq's --stop-time-hours.
+  """`config.train_time_limit_minutes` of wall clock (0: none), as fairseq's --stop-time-hours,
+  and the timed cooldown at its end (`config.cooldown_minutes`).
 
   Counted from the start of this invocation's data preparation, so a budget such as "2 hours of
   train.py" holds on any machine whatever its speed; a resumed run gets the whole limit again.
-  With several processes the first one's clock decides, at log steps (one broadcast each), so
-  that all of them stop at the same step.
+  The clock is read once per step (`check`). With several processes the first one's clock
+  decides, at log steps (one broadcast each), so that all of them stop, and place the cooldown,
+  at the same step with the same length.
   """
 
-  def __init__(self, minutes: float, check_every_steps: int):
-    self.minutes, self._check_every = minutes, check_every_steps
-    self._start = time.time()
+  def __init__(self, minutes: float, cooldown_minutes: float, check_every_steps: int, clock):
+    self.minutes, self.cooldown_minutes = minutes, cooldown_minutes
+    self._check_every, self._clock = check_every_steps, clock
+    self._start = clock()
+    self._rate_origin = None  # (time, step) after this invocation's first (compiling) step.
+    self.cooldown_placed = False
 
-  def reached(self, step: int) -> bool:
+  def mark_first_step(self, step: int) -> None:
+    """The step rate is measured from here: the compilation is not a step's cost."""
+    if self.cooldown_minutes:
+      self._rate_origin = (self._clock(), step)
+
+  def check(self, step: int) -> tuple[bool, int | None]:
+    """(whether the limit is reached, the length in steps of the cooldown to place now, once:
+    the steps that fit in the minutes left at this invocation's measured rate, evaluations and
+    checkpoints included)."""
     if not self.minutes:
-      return False
-    if jax.process_count() == 1:
-      return time.time() - self._start >= 60 * self.minutes
-    if step % self._check_every:
-      return False
-    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+      return False, None
+    if jax.process_count() > 1 and step % self._check_every:
+      return False, None
+    now = self._clock()
+    reached = now - self._start >= 60 * self.minutes
+    length = -1
+    if self.cooldown_minutes and not self.cooldown_placed and self._rate_origin is not None:
+      left = 60 * self.minutes - (now - self._start)
+      origin_time, origin_step = self._rate_origin
+      if left <= 60 * self.cooldown_minutes and step > origin_step and now > origin_time:
+        rate = (step - origin_step) / (now - origin_time)
+        length = max(1, int(rate * max(left, 0.0)))
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
 
-    over = np.bool_(time.time() - self._start >= 60 * self.minutes)
-    return bool(multihost_utils.broadcast_one_to_all(over))
+      decided = multihost_utils.broadcast_one_to_all(np.array([reached, length], np.int32))
+      reached, length = bool(decided[0]), int(decided[1])
+    if length < 0:
+      return bool(reached), None
+    self.cooldown_placed = True
+    return bool(reached), length
 
 
 def _loop(
@@ -258,10 +292,16 @@ def _loop(
   start_step = step = int(state.step)
   num_params = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
   log(f'model: {num_params:,} parameters, {run.model_config}')
-  training_log = TrainingLog(run.writer, config.num_train_steps, start_step)
+  # A timed cooldown placed before this invocation ends the run where it ends.
+  cooldown_end = None
+  remaining = optim.timed_cooldown_remaining(state.opt_state)
+  if remaining is not None:
+    time_limit.cooldown_placed, cooldown_end = True, start_step + remaining
+  final_step = min(config.num_train_steps, cooldown_end or config.num_train_steps)
+  training_log = TrainingLog(run.writer, final_step, start_step)
   eval_metrics: dict[str, float] = {}
   previous_metrics = None
-  for step in range(start_step + 1, config.num_train_steps + 1):
+  for step in range(start_step + 1, final_step + 1):
     if step == start_step + 1:  # Otherwise the tens of seconds XLA takes pass in silence.
       log('compiling the training step')
       compile_start = time.time()
@@ -269,6 +309,7 @@ def _loop(
     if step == start_step + 1:
       jax.block_until_ready(step_metrics)
       log(f'training step compiled and run once in {format_duration(time.time() - compile_start)}')
+      time_limit.mark_first_step(step)
     training_log.add(step_metrics)
     # Check the previous step's streak: it is done by now, so this does not stall the device.
     if previous_metrics is not None:
@@ -286,8 +327,23 @@ def _loop(
         f'{workdir}: another training process took over this workdir after this one was '
         f'silent longer than its lock expiry; stopping at step {step} without saving'
       )
-    # The last step: the configured one, or the first past the time limit.
-    last_step = step if time_limit.reached(step) else config.num_train_steps
+    # The last step: the configured one, the first past the time limit, or the cooldown's end.
+    limit_reached, cooldown_length = time_limit.check(step)
+    if cooldown_length is not None:
+      state = trainer.start_cooldown(state, np.int32(cooldown_length))
+      cooldown_end = step + cooldown_length
+      training_log.final_step = min(config.num_train_steps, cooldown_end)
+      log(
+        f'config.cooldown_minutes ({time_limit.cooldown_minutes:g}) left at step {step}: the '
+        f'learning rate falls linearly to 0 over the next {cooldown_length:,} steps (the '
+        f'measured rate), ending the run at step {cooldown_end:,}'
+      )
+    stop = None
+    if step == cooldown_end:
+      stop = 'the timed cooldown ended'
+    elif limit_reached:
+      stop = f'config.train_time_limit_minutes ({time_limit.minutes:g}) reached'
+    last_step = step if stop else config.num_train_steps
     if _every(step, config.log_every_steps, last_step):
       training_log.write(step, int(jax.device_get(state.skipped_steps)))
     if preemption.should_stop(step):
@@ -303,11 +359,8 @@ def _loop(
     if _every(step, config.checkpoint_every_steps, last_step):
       run.save(state, step)
       training_log.restart_clock()
-    if step == last_step < config.num_train_steps:
-      log(
-        f'config.train_time_limit_minutes ({time_limit.minutes:g}) reached: stopped at step '
-        f'{step} of {config.num_train_steps}, checkpoint saved'
-      )
+    if stop and step < config.num_train_steps:
+      log(f'{stop}: stopped at step {step} of {config.num_train_steps}, checkpoint saved')
       break
   if not eval_metrics:  # Nothing left to train: report on the restored state.
     eval_metrics = run.evaluate(state.params, step)

@@ -58,8 +58,9 @@ class TrainingLog:
   logging never waits for the device mid-window.
   """
 
-  def __init__(self, writer: MetricWriter, num_train_steps: int, start_step: int):
-    self._writer, self._num_train_steps = writer, num_train_steps
+  def __init__(self, writer: MetricWriter, final_step: int, start_step: int):
+    # The step the run is to end at (the ETA's): num_train_steps, or a timed cooldown's end.
+    self._writer, self.final_step = writer, final_step
     self._pending = []
     self.restart_clock(start_step)
 
@@ -91,9 +92,9 @@ class TrainingLog:
     if 'rdrop_kl_sum' in totals[-1]:  # R-Drop: the two dropout copies' KL(p1||p2) + KL(p2||p1).
       scalars['train/rdrop_kl'] = sum(float(m['rdrop_kl_sum']) for m in totals) / max(tokens, 1.0)
     self._writer.write_scalars(step, scalars)
-    eta = (self._num_train_steps - step) / max(steps_per_second, 1e-9)
+    eta = (self.final_step - step) / max(steps_per_second, 1e-9)
     log(
-      f'step {step}/{self._num_train_steps} | loss {loss:.4f} | '
+      f'step {step}/{self.final_step} | loss {loss:.4f} | '
       f'lr {scalars["train/learning_rate"]:.2e} | '
       f'{scalars["train/target_tokens_per_second"]:,.0f} tok/s | '
       f'{steps_per_second:.2f} steps/s | ETA {format_duration(eta)}'

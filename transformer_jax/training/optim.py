@@ -1,6 +1,7 @@
 """The paper's optimiser: Adam(0.9, 0.98, 1e-9) with the inverse-square-root warmup schedule,
-optionally ending in a linear cooldown to zero (`cooldown_steps`; the paper has none), and
-optionally decoupled weight decay (AdamW; the paper has none).
+optionally ending in a linear cooldown to zero (`cooldown_steps`; the paper has none), or in one
+whose start and length the training loop sets when a wall-clock budget nears its end
+(`timed_cooldown`), and optionally decoupled weight decay (AdamW; the paper has none).
 
 For fine-tuning a pretrained model (`import_marian`) the paper's schedule is wrong: it assumes
 training from scratch, and its peak (d_model^-0.5 / sqrt(warmup)) is far above what a trained
@@ -8,6 +9,8 @@ model tolerates. `schedule='constant'` warms up linearly to a given `learning_ra
 (then the cooldown, if any)."""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -62,6 +65,92 @@ def with_cooldown(
   return cooled
 
 
+class TimedCooldownState(NamedTuple):
+  """`timed_cooldown`'s state: updates applied so far, and the cooldown's first update and
+  length (start -1: not started). int32 scalars, saved with the checkpoint."""
+
+  count: jax.Array
+  cooldown_start: jax.Array
+  cooldown_length: jax.Array
+
+
+def timed_cooldown() -> optax.GradientTransformation:
+  """Scales the updates by a factor falling linearly from 1 to 0 over `cooldown_length` updates
+  from update `cooldown_start` (the last gets 1/cooldown_length of it, as `with_cooldown`), once
+  `start_timed_cooldown` has set them; 1 before. At the end of the chain it scales the learning
+  rate and, with AdamW, its decay term alike.
+
+  For a wall-clock budget (`config.cooldown_minutes`): the number of updates the budget allows
+  is known only near its end, when the loop measures its step rate, so the cooldown's place is
+  state (restored on resume, so a resumed run cools down as the uninterrupted one), not a
+  function of the step count fixed when the optimiser is built.
+  """
+
+  def init(params):
+    del params
+    return TimedCooldownState(
+      jnp.zeros((), jnp.int32), jnp.full((), -1, jnp.int32), jnp.ones((), jnp.int32)
+    )
+
+  def update(updates, state, params=None):
+    del params
+    factor = timed_cooldown_factor(state)
+    updates = jax.tree_util.tree_map(lambda u: (u * factor).astype(u.dtype), updates)
+    return updates, state._replace(count=state.count + 1)
+
+  return optax.GradientTransformation(init, update)
+
+
+def timed_cooldown_factor(state: TimedCooldownState) -> jax.Array:
+  """The factor `timed_cooldown` gives the next update (float32 scalar)."""
+  remaining = (state.cooldown_start + state.cooldown_length - state.count).astype(jnp.float32)
+  factor = jnp.clip(remaining / state.cooldown_length.astype(jnp.float32), 0.0, 1.0)
+  return jnp.where(state.cooldown_start < 0, 1.0, factor)
+
+
+def _timed_cooldown_state(opt_state) -> TimedCooldownState | None:
+  found = [
+    leaf
+    for leaf in jax.tree_util.tree_leaves(
+      opt_state, is_leaf=lambda x: isinstance(x, TimedCooldownState)
+    )
+    if isinstance(leaf, TimedCooldownState)
+  ]
+  return found[0] if found else None
+
+
+def learning_rate_factor(opt_state) -> jax.Array | float:
+  """What multiplies the schedule's rate at the next update: the timed cooldown's factor, or 1
+  where the optimiser has none."""
+  state = _timed_cooldown_state(opt_state)
+  return 1.0 if state is None else timed_cooldown_factor(state)
+
+
+def start_timed_cooldown(opt_state, length):
+  """`opt_state` with its timed cooldown starting at the next update and lasting `length`
+  updates (an int32 scalar, at least 1)."""
+
+  def start(node):
+    if not isinstance(node, TimedCooldownState):
+      return node
+    return node._replace(
+      cooldown_start=node.count, cooldown_length=jnp.maximum(length, 1).astype(jnp.int32)
+    )
+
+  return jax.tree_util.tree_map(
+    start, opt_state, is_leaf=lambda x: isinstance(x, TimedCooldownState)
+  )
+
+
+def timed_cooldown_remaining(opt_state) -> int | None:
+  """Updates left in a started timed cooldown (0 once it is over); None if it has not started
+  or the optimiser has none. Reads the state from the device."""
+  state = _timed_cooldown_state(opt_state)
+  if state is None or int(state.cooldown_start) < 0:
+    return None
+  return max(0, int(state.cooldown_start) + int(state.cooldown_length) - int(state.count))
+
+
 def make_optimizer(
   *,
   d_model: int,
@@ -76,6 +165,7 @@ def make_optimizer(
   schedule: str = 'rsqrt',
   learning_rate: float = 0.0,
   weight_decay: float = 0.0,
+  timed: bool = False,
 ) -> tuple[optax.GradientTransformation, optax.Schedule]:
   """Adam with `schedule`: 'rsqrt' (the paper's; learning_rate_scale multiplies it) or
   'constant' (`constant_schedule` to learning_rate), then the cooldown.
@@ -85,6 +175,9 @@ def make_optimizer(
   normalisation, as fairseq's and PyTorch's AdamW do; biases and layer-norm scales are not
   decayed (`decays_weight`). With 0 the optimiser state has the paper's Adam's layout,
   so checkpoints of runs without weight decay are unchanged.
+
+  timed=True ends the chain with `timed_cooldown` (a cooldown the training loop places), which
+  adds its state to the optimiser's; without it the layout is unchanged.
   """
   if schedule == 'constant':
     schedule = constant_schedule(learning_rate, warmup_steps)
@@ -99,6 +192,8 @@ def make_optimizer(
     optimizer = optax.adam(schedule, b1=b1, b2=b2, eps=eps)
   if grad_clip_norm > 0:
     optimizer = optax.chain(optax.clip_by_global_norm(grad_clip_norm), optimizer)
+  if timed:
+    optimizer = optax.chain(optimizer, timed_cooldown())
   return optimizer, schedule
 
 

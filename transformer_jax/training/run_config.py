@@ -75,6 +75,8 @@ def _resume_fields(config_dict: dict, model: dict) -> dict:
   # AdamW's optimiser state has another layout than Adam's: its rate may change on resume, but
   # not to or from 0. (Workdirs written before the field existed ran without it.)
   fields['config.weight_decay > 0'] = bool(config_dict.get('weight_decay') or 0)
+  # Likewise the timed cooldown adds its state to the optimiser's.
+  fields['config.cooldown_minutes > 0'] = bool(config_dict.get('cooldown_minutes') or 0)
   return fields
 
 
@@ -369,6 +371,20 @@ def _validate_loop(config) -> None:
   check_number_at_least('config.train_time_limit_minutes', limit, 0)
   if not math.isfinite(limit):
     raise UserInputError(f'config.train_time_limit_minutes must be finite, got {limit!r}')
+  cooldown = config.cooldown_minutes
+  check_number_at_least('config.cooldown_minutes', cooldown, 0)
+  if not math.isfinite(cooldown):
+    raise UserInputError(f'config.cooldown_minutes must be finite, got {cooldown!r}')
+  if cooldown and not 0 < cooldown < limit:
+    raise UserInputError(
+      f'config.cooldown_minutes={cooldown:g} needs config.train_time_limit_minutes above it '
+      f'(it is the end of that budget), got {limit:g}'
+    )
+  if cooldown and config.cooldown_fraction:
+    raise UserInputError(
+      f'config.cooldown_minutes={cooldown:g} and config.cooldown_fraction='
+      f'{config.cooldown_fraction:g} are two cooldowns: set one of them to 0'
+    )
 
 
 def _validate_devices(config) -> None:

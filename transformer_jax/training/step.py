@@ -14,6 +14,7 @@ from flax.training import train_state
 from transformer_jax.data import batching
 from transformer_jax.data.tokenizer import BOS_ID, PAD_ID
 from transformer_jax.model.transformer import Transformer
+from transformer_jax.training import optim
 from transformer_jax.training.losses import (
   chunked_token_metrics,
   correct_tokens,
@@ -171,7 +172,10 @@ def train_step(
     skipped_steps=state.skipped_steps + (~finite).astype(jnp.int32),
     nonfinite_streak=jnp.where(finite, 0, state.nonfinite_streak + 1).astype(jnp.int32),
   )
-  metrics['learning_rate'] = learning_rate_fn(state.step)
+  # The rate of the update just applied; a timed cooldown's factor is in the optimiser state.
+  metrics['learning_rate'] = learning_rate_fn(state.step) * optim.learning_rate_factor(
+    state.opt_state
+  )
   metrics['grad_norm'] = grad_norm
   metrics['nonfinite_streak'] = new_state.nonfinite_streak
   return new_state, metrics

@@ -22,7 +22,7 @@ from transformer_jax.model.config import TransformerConfig
 from transformer_jax.model.transformer import Transformer
 from transformer_jax.search.decode import strip_after_eos
 from transformer_jax.training import sharding
-from transformer_jax.training.optim import make_optimizer
+from transformer_jax.training.optim import make_optimizer, start_timed_cooldown
 from transformer_jax.training.step import TrainState, eval_step, train_step
 
 
@@ -57,6 +57,7 @@ class Trainer:
       schedule=config.learning_rate_schedule,
       learning_rate=config.learning_rate,
       weight_decay=config.weight_decay,
+      timed=config.cooldown_minutes > 0,
     )
     self.batch_sharding = sharding.batch_sharding(self.mesh)
     abstract = jax.eval_shape(self._init_state, jax.random.PRNGKey(0))
@@ -79,6 +80,14 @@ class Trainer:
       ),
       in_shardings=(self.state_shardings, self.batch_sharding),
       out_shardings=(self.state_shardings, replicated),
+      donate_argnums=(0,),
+    )
+    # (state, length: int32 scalar) -> the state with its timed cooldown placed to start at the
+    # next update (`optim.timed_cooldown`); the old state's buffers are donated.
+    self.start_cooldown = jax.jit(
+      lambda state, length: state.replace(opt_state=start_timed_cooldown(state.opt_state, length)),
+      in_shardings=(self.state_shardings, replicated),
+      out_shardings=self.state_shardings,
       donate_argnums=(0,),
     )
     self.eval_step = jax.jit(
