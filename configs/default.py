@@ -198,6 +198,15 @@ def get_config() -> ml_collections.ConfigDict:
   config.checkpoint_every_steps = 500
   # Checkpoints kept on disk (oldest deleted first).
   config.keep_checkpoints = 3
+  # Keep the best checkpoint by this validation metric beside the last keep_checkpoints:
+  # 'loss' (lowest), or the highest 'bleu', 'chrf', 'exact_match' (greedy on
+  # eval_decode_examples) or 'token_accuracy'; '' for none. Each evaluation that improves on the
+  # best so far is saved at once; translate/evaluate/export load it with --checkpoint=best.
+  config.best_checkpoint_metric = ''
+  # Stop after this many evaluations in a row without a better best_checkpoint_metric (0:
+  # never), saving a checkpoint there; rerunning the finished run trains nothing. Raising it
+  # on resume trains on.
+  config.early_stopping_patience = 0
   # Greedily decode the whole test_split after training; report exact match, BLEU and chrF.
   config.final_test_decode = True
 

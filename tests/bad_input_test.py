@@ -333,9 +333,9 @@ CASES = [
   ),
   (
     'bad checkpoint name',
-    lambda t, d: checkpoint_flag_value('best'),
+    lambda t, d: checkpoint_flag_value('newest'),
     UserInputError,
-    r"--checkpoint must be a step number, 'averaged' or 'latest', got 'best'",
+    r"--checkpoint must be a step number, 'averaged', 'best' or 'latest', got 'newest'",
   ),
   (
     'evaluate: invalid utf-8 reference',
@@ -816,15 +816,15 @@ def _translator() -> Translator:
 # Python API mistakes that were tracebacks or silently wrong (inference/, evaluation/).
 API_CASES = [
   pytest.param(
-    # Old: ValueError: invalid literal for int() with base 10: 'best' (a traceback).
-    lambda t: Translator.from_checkpoint(_vocabulary_workdir(t), 'best'),
-    r"checkpoint must be a step number, 'averaged' or 'latest', got 'best'",
+    # Old: ValueError: invalid literal for int() with base 10: 'newest' (a traceback).
+    lambda t: Translator.from_checkpoint(_vocabulary_workdir(t), 'newest'),
+    r"checkpoint must be a step number, 'averaged', 'best' or 'latest', got 'newest'",
     id='Translator: checkpoint name',
   ),
   pytest.param(
     # Old: int(1.5): step 1 is loaded, silently.
     lambda t: Translator.from_checkpoint(_vocabulary_workdir(t), 1.5),
-    r"checkpoint must be a step number, 'averaged' or 'latest', got 1\.5",
+    r"checkpoint must be a step number, 'averaged', 'best' or 'latest', got 1\.5",
     id='Translator: fractional checkpoint step',
   ),
   pytest.param(
@@ -891,8 +891,8 @@ COMMAND_CASES = [
     id='train: misspelt dtype',
   ),
   pytest.param(
-    ['-m', 'transformer_jax.translate', '--workdir=W', '--checkpoint=best'],
-    r"error: --checkpoint must be a step number, 'averaged' or 'latest', got 'best'",
+    ['-m', 'transformer_jax.translate', '--workdir=W', '--checkpoint=newest'],
+    r"error: --checkpoint must be a step number, 'averaged', 'best' or 'latest', got 'newest'",
     id='translate: checkpoint name',
   ),
   pytest.param(

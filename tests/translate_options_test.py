@@ -360,8 +360,9 @@ def _bad_cases(workdir, tmp, source):
       r'--models entry 2 is empty',
     ),
     (
-      lambda: translate(workdir=None, models=f'{workdir}@best'),
-      r"--models entry 1 checkpoint must be a step number, 'averaged' or 'latest', got 'best'",
+      lambda: translate(workdir=None, models=f'{workdir}@newest'),
+      r"--models entry 1 checkpoint must be a step number, 'averaged', 'best' or 'latest', "
+      r"got 'newest'",
     ),
     (
       lambda: translate(**ensemble, weights='1,2,3'),
@@ -429,16 +430,17 @@ def test_bad_input_is_one_line_before_any_parameters_and_writes_nothing(
 
 
 def test_members_parse_as_the_checkpoint_flag_does():
-  assert models.parse_members('a,b@7,c@averaged, d@latest ', 'latest') == [
+  assert models.parse_members('a,b@7,c@averaged, d@latest ,e@best', 'latest') == [
     ('a', 'latest'),
     ('b', 7),
     ('c', 'averaged'),
     ('d', 'latest'),
+    ('e', 'best'),
   ]
   assert models.parse_members('x@y@3') == [('x@y', 3)]  # The last @ splits.
   assert models.checkpoint_value('12') == 12 and models.checkpoint_value(None) is None
-  with pytest.raises(UserInputError, match=r"^--checkpoint must be a step number, .*got 'best'$"):
-    models.checkpoint_value('best')
+  with pytest.raises(UserInputError, match=r"^--checkpoint must be a step number, .*got 'bset'$"):
+    models.checkpoint_value('bset')
   for text, message in (('', '--models is empty'), ('@3', 'entry 1 .* has no workdir')):
     with pytest.raises(UserInputError, match=message):
       models.parse_members(text)

@@ -163,8 +163,8 @@ def define_checkpoint_flag() -> None:
   absl_flags.DEFINE_string(
     'checkpoint',
     None,
-    "Step number, 'averaged' or 'latest' (default: the averaged checkpoint if current, else "
-    'the latest).',
+    "Step number, 'averaged', 'best' (by config.best_checkpoint_metric) or 'latest' (default: "
+    'the averaged checkpoint if current, else the latest).',
   )
 
 
@@ -218,8 +218,8 @@ def config_flag_message(error: BaseException) -> str:
 
 
 def checkpoint_flag_value(value: str | None) -> int | str | None:
-  """--checkpoint: a step number, 'averaged' or 'latest' (None: the default choice); parsed by
-  `inference.models.checkpoint_value`, which --models entries share."""
+  """--checkpoint: a step number, 'averaged', 'best' or 'latest' (None: the default choice);
+  parsed by `inference.models.checkpoint_value`, which --models entries share."""
   from transformer_jax.inference import models  # The library's rule, imported when used.
 
   return models.checkpoint_value(value)

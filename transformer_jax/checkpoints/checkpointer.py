@@ -9,18 +9,14 @@ Each checkpoint step holds two items:
     treedef and are never serialized.
   * 'data': a small JSON dict (input-pipeline position), saved with JsonSave.
 
-Restoring takes an *abstract* state (jax.ShapeDtypeStruct leaves with `.sharding` set) so arrays
-are read straight into the target sharding. This is what makes a checkpoint written on one
-device layout loadable on another.
+Restoring takes an *abstract* state (jax.ShapeDtypeStruct leaves with `.sharding` set): arrays
+are read straight into the target sharding, so a checkpoint loads on another device layout.
 
-Besides the step checkpoints there is a *params-only* checkpoint (used for the
-averaged parameters, see transformer_jax/checkpoints/averaging.py): `save_params` writes
-
-  DIRECTORY/params/         the params pytree (orbax StandardSave)
-  DIRECTORY/metadata.json   a small JSON dict, written last
-
-into a hidden sibling folder and renames it into place, so DIRECTORY either does not exist or
-holds a complete checkpoint; `restore_params_from` and `read_metadata` read it back.
+Besides the step checkpoints there is a *params-only* checkpoint (the averaged parameters,
+checkpoints/averaging.py): `save_params` writes DIRECTORY/params/ (the params pytree, orbax
+StandardSave) and DIRECTORY/metadata.json (a small JSON dict, written last) into a hidden
+sibling folder and renames it into place, so DIRECTORY either does not exist or holds a
+complete checkpoint; `restore_params_from` and `read_metadata` read it back.
 
 A save the disk refuses (`errors.STORAGE_ERRNOS`: full, read-only, ...), however orbax wraps
 it, is a `StorageError` naming the step's (or params checkpoint's) folder; its temporary folder
@@ -29,7 +25,6 @@ is removed and the previous checkpoints are untouched.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -49,13 +44,12 @@ from transformer_jax.checkpoints.checksums import (
   verify_leaves,
 )
 from transformer_jax.common import errors, paths
-from transformer_jax.common.errors import CorruptCheckpointError, StorageError
+from transformer_jax.common.errors import CorruptCheckpointError
 
 _STATE = 'state'
 _DATA = 'data'
-# Key in the 'data' JSON under which save() records a checksum of every state leaf. orbax's
-# compressed chunks do not detect every damaged byte (a flipped byte restored silently with
-# wrong values in a test with 0.12.8), so restore() verifies these.
+# Key in the 'data' JSON of save()'s checksum of every state leaf, which restore() verifies:
+# orbax 0.12.8 restored a flipped byte of its compressed chunks silently, with wrong values.
 _CHECKSUMS = '_checksums'
 
 # Layout of a params-only checkpoint (save_params / restore_params_from).
@@ -83,8 +77,15 @@ class Checkpointer:
     # Cloud Storage themselves.
     self.directory = paths.local_or_remote(directory)
     self.damaged_directory = damaged_directory
+    # The last `keep`, and any step `keep_also` names (the best one, beyond them).
+    self._also_kept = _KeepSteps()
+    preservation = None
+    if keep is not None:
+      preservation = ocp.checkpoint_managers.AnyPreservationPolicy(
+        [ocp.checkpoint_managers.LatestN(n=keep), self._also_kept]
+      )
     options = ocp.CheckpointManagerOptions(
-      max_to_keep=keep, create=True, enable_async_checkpointing=async_save
+      create=True, enable_async_checkpointing=async_save, preservation_policy=preservation
     )
     self._manager = ocp.CheckpointManager(
       self.directory, options=options, item_names=(_STATE, _DATA)
@@ -101,7 +102,18 @@ class Checkpointer:
     """All finalized steps still on disk, ascending."""
     return sorted(self._manager.all_steps())
 
+  def read_data_state(self, step: int | None = None) -> dict:
+    """The JSON data state saved with `step` (None = latest), without the state's arrays."""
+    data = _step_data(self.directory / str(self._resolve_step(step)))
+    data.pop(_CHECKSUMS, None)
+    return data
+
   # ---- save ----
+
+  def keep_also(self, step: int | None) -> None:
+    """Keeps `step` (the best, `checkpoints.best`; None: none) beyond the last `keep` from the
+    next save on; the step it named before is pruned then as any old one."""
+    self._also_kept.steps = frozenset() if step is None else frozenset({int(step)})
 
   def save(self, step: int, state: Any, data_state: dict | None = None) -> bool:
     """Dispatches a save of `state` and `data_state` at `step`.
@@ -142,7 +154,7 @@ class Checkpointer:
             time.sleep(0.1)
 
     where = self.directory / str(step) if step is not None else self.directory
-    return _as_storage_error(where, remove_unfinished)
+    return errors.storage_errors_as(where, remove_unfinished)
 
   # ---- restore ----
 
@@ -242,11 +254,7 @@ class Checkpointer:
       )
 
   def _corrupt(self, step: int, error: Exception) -> CorruptCheckpointError:
-    first_line = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
-    return CorruptCheckpointError(
-      f'checkpoint step {step} at {self.directory / str(step)} is damaged or '
-      f'incomplete ({type(error).__name__}: {first_line})'
-    )
+    return _unreadable(f'checkpoint step {step} at {self.directory / str(step)}', error)
 
   def _verify(self, step: int, tree: Any, expected: dict | None, prefix: str = '') -> None:
     if expected is None:
@@ -279,10 +287,7 @@ class Checkpointer:
           item_dir,
           args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args, partial_restore=True),
         )
-      data_file = self.directory / str(step) / _DATA / 'metadata'
-      expected = None
-      if data_file.exists():
-        expected = json.loads(data_file.read_text()).get(_CHECKSUMS)
+      expected = _step_data(self.directory / str(step)).get(_CHECKSUMS)
     except Exception as error:  # orbax/tensorstore raise many types; all mean "unreadable".
       raise self._corrupt(step, error) from None
     self._verify(step, restored['params'], expected, prefix='params/')
@@ -324,6 +329,15 @@ class Checkpointer:
 
   def __exit__(self, *exc_info) -> None:
     self.close()
+
+
+class _KeepSteps:
+  """An orbax preservation policy: keep the steps Checkpointer.keep_also names."""
+
+  steps: frozenset[int] = frozenset()
+
+  def should_preserve(self, checkpoints, *, context) -> list[bool]:
+    return [checkpoint.step in self.steps for checkpoint in checkpoints]
 
 
 # ---- reading a directory that training writes and prunes meanwhile (averaging) ----
@@ -407,7 +421,7 @@ def _params_to_host(directory: str | epath.Path, step: int) -> Any:
       )
   except Exception as error:  # orbax/tensorstore raise many types; all mean "unreadable".
     raise _unreadable(where, error) from None
-  verify_leaves(where, restored['params'], _step_checksums(step_dir), prefix='params/')
+  verify_leaves(where, restored['params'], _step_data(step_dir).get(_CHECKSUMS), prefix='params/')
   return restored['params']
 
 
@@ -423,22 +437,23 @@ def _tree_metadata(item_dir: Any) -> Any:
 
 def _unreadable(where: str, error: Exception) -> CorruptCheckpointError:
   """One-line CorruptCheckpointError for a checkpoint orbax/tensorstore could not read."""
-  # Same wording as Checkpointer._corrupt; tensorstore messages run to many lines of JSON spec.
+  # Tensorstore's messages run to many lines of JSON spec: the first line only.
   first_line = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
   return CorruptCheckpointError(
     f'{where} is damaged or incomplete ({type(error).__name__}: {first_line})'
   )
 
 
-def _step_checksums(step_dir: epath.Path) -> dict | None:
-  """The checksums save() recorded in a step's 'data' item, or None for an older step."""
+def _step_data(step_dir: epath.Path) -> dict:
+  """A step's 'data' item (save()'s data_state and checksums), {} for a step without one."""
   data_file = step_dir / _DATA / 'metadata'
-  if not data_file.exists():
-    return None
   try:
-    return json.loads(data_file.read_text()).get(_CHECKSUMS)
-  except (OSError, ValueError, AttributeError) as error:  # AttributeError: JSON not a dict
+    data = json.loads(data_file.read_text()) if data_file.exists() else {}
+    if not isinstance(data, dict):
+      raise ValueError(f'a JSON {type(data).__name__}, not an object')
+  except (OSError, ValueError) as error:
     raise _unreadable(f'checkpoint step {step_dir.name} at {step_dir}', error) from None
+  return data
 
 
 # Reserved key in metadata.json under which save_params records a checksum of every params
@@ -495,7 +510,7 @@ def save_params(directory: str, params: Any, metadata: dict | None = None) -> st
     _save_params_to_gcs(directory, params, metadata_text)
     return str(directory)
   directory = os.fspath(directory)
-  with _as_storage_error(directory), paths.staged_folder(directory) as staging:
+  with errors.storage_errors_as(directory), paths.staged_folder(directory) as staging:
     with ocp.StandardCheckpointer() as writer:
       writer.save(os.path.join(staging, _PARAMS_ITEM), params)
       writer.wait_until_finished()
@@ -504,21 +519,6 @@ def save_params(directory: str, params: Any, metadata: dict | None = None) -> st
       f.flush()
       os.fsync(f.fileno())
   return directory
-
-
-@contextlib.contextmanager
-def _as_storage_error(where: str | os.PathLike, clean_up=lambda: None):
-  """A failed write (`errors.storage_failure`, however wrapped) as one StorageError naming
-  `where`, after `clean_up()`."""
-  try:
-    yield
-  except Exception as error:  # pylint: disable=broad-except  # orbax wraps what the OS said.
-    failure = errors.storage_failure(error)
-    if failure is None:
-      raise
-    with contextlib.suppress(OSError):
-      clean_up()
-    raise StorageError(failure.errno, failure.strerror, os.fspath(where)) from error
 
 
 def _save_params_to_gcs(directory: epath.Path, params: Any, metadata_text: str) -> None:

@@ -1,11 +1,13 @@
 """Which parameters a workdir serves (translate, evaluate, export, serve): a step, 'latest',
-'averaged', or by default the average where it is up to date with the latest checkpoint, else
-the latest checkpoint, else an imported model's parameters (`workdir.imported`, rule 3)."""
+'averaged', 'best' (the step training kept by config.best_checkpoint_metric), or by default
+the average where it is up to date with the latest checkpoint, else the latest checkpoint, else
+an imported model's parameters (`workdir.imported`, rule 3)."""
 
 from __future__ import annotations
 
 from absl import logging
 
+from transformer_jax.checkpoints import best
 from transformer_jax.checkpoints.checkpointer import (
   Checkpointer,
   is_params_checkpoint,
@@ -20,9 +22,9 @@ from transformer_jax.workdir.layout import Workdir
 def restore_served_params(workdir: Workdir, checkpoint: int | str | None, abstract_params):
   """The parameters `checkpoint` names (None: the default choice of the module docstring),
   restored to the structure, shapes and shardings of `abstract_params`."""
-  if not (checkpoint in (None, 'averaged', 'latest') or is_integer(checkpoint)):
+  if not (checkpoint in (None, 'averaged', 'best', 'latest') or is_integer(checkpoint)):
     raise UserInputError(
-      f"checkpoint must be a step number, 'averaged' or 'latest', got {checkpoint!r}"
+      f"checkpoint must be a step number, 'averaged', 'best' or 'latest', got {checkpoint!r}"
     )
   averaged = workdir.averaged
   with Checkpointer(workdir.checkpoints, keep=None, async_save=False) as checkpointer:
@@ -48,9 +50,24 @@ def restore_served_params(workdir: Workdir, checkpoint: int | str | None, abstra
         made_from,
         latest,
       )
+    if checkpoint == 'best':
+      return checkpointer.restore_params(abstract_params, _best_step(workdir, checkpointer))
     step = None if checkpoint in (None, 'latest') else int(checkpoint)
     trained = checkpointer.latest_step() is not None
     if step is None and imported.imported_params_are_latest(workdir, trained):
       logging.info('loading the imported model from %s', workdir.imported)
       return restore_params_from(workdir.imported, abstract_params)
     return checkpointer.restore_params(abstract_params, step)
+
+
+def _best_step(workdir: Workdir, checkpointer: Checkpointer) -> int:
+  """The best step the latest checkpoint records (`checkpoints.best`)."""
+  latest = checkpointer.latest_step()
+  step = None if latest is None else best.best_step(checkpointer.read_data_state(latest))
+  if step is None:
+    raise UserInputError(
+      f'{workdir.path} records no best checkpoint: train with '
+      'config.best_checkpoint_metric (e.g. --config.best_checkpoint_metric=bleu)'
+    )
+  logging.info('loading the best checkpoint, step %d, from %s', step, checkpointer.directory)
+  return step

@@ -27,6 +27,7 @@ reads or writes it. stderr closed (`2>&-`): the command runs as usual, its messa
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
@@ -148,6 +149,21 @@ def storage_failure(error: BaseException) -> OSError | None:
     pending.extend(getattr(current, 'exceptions', ()))  # An ExceptionGroup.
     pending.extend(arg for arg in current.args if isinstance(arg, BaseException))
   return None
+
+
+@contextlib.contextmanager
+def storage_errors_as(where: str | os.PathLike, clean_up=lambda: None):
+  """A failed write (`storage_failure`, however wrapped) as one StorageError naming `where`,
+  after `clean_up()`."""
+  try:
+    yield
+  except Exception as error:  # pylint: disable=broad-except  # orbax wraps what the OS said.
+    failure = storage_failure(error)
+    if failure is None:
+      raise
+    with contextlib.suppress(OSError):
+      clean_up()
+    raise StorageError(failure.errno, failure.strerror, os.fspath(where)) from error
 
 
 def _text(error: BaseException) -> str:

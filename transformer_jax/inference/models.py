@@ -3,7 +3,7 @@ of several (`--models=DIR[@CHECKPOINT],DIR2,...` with `--weights=W1,W2,...`), ch
 (`choose`) before any file of a model is read, then loaded (`load`).
 
 A `--models` entry is a workdir, optionally followed by `@` and a checkpoint as `--checkpoint`
-takes it (a step number, 'averaged' or 'latest'); an entry without one uses `--checkpoint`
+takes it (a step number, 'averaged', 'best' or 'latest'); an entry without one uses `--checkpoint`
 (default: the workdir's default choice, `checkpoints.served`). The last `@` splits, so a folder
 whose name holds an `@` needs an explicit checkpoint (`a@b@latest`); commas separate entries.
 One `--models` entry without `--weights` is that workdir alone (a `Translator`, exactly).
@@ -20,11 +20,11 @@ from typing import Sequence
 from transformer_jax.common.errors import UserInputError, is_integer, is_number
 
 # The checkpoints that have names (`checkpoints.served`); any other is a step number.
-CHECKPOINT_NAMES = ('averaged', 'latest')
+CHECKPOINT_NAMES = ('averaged', 'best', 'latest')
 
 
 def checkpoint_value(value: str | int | None, name: str = '--checkpoint') -> int | str | None:
-  """A checkpoint as the commands take it: a step number, 'averaged' or 'latest' (None: the
+  """A checkpoint as the commands take it: a step number, 'averaged', 'best' or 'latest' (None: the
   workdir's default choice), or a one-line error naming `name`."""
   if value is None or value in CHECKPOINT_NAMES:
     return value
@@ -34,7 +34,7 @@ def checkpoint_value(value: str | int | None, name: str = '--checkpoint') -> int
     return int(value)
   except (TypeError, ValueError):
     raise UserInputError(
-      f"{name} must be a step number, 'averaged' or 'latest', got {value!r}"
+      f"{name} must be a step number, 'averaged', 'best' or 'latest', got {value!r}"
     ) from None
 
 

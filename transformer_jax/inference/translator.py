@@ -144,9 +144,9 @@ class Translator:
     """Loads the config, vocabulary and parameters of a workdir.
 
     checkpoint: a step number, 'averaged' (written by `python -m transformer_jax.average`),
-    'latest', or None: the averaged checkpoint if it was made from the latest training
-    checkpoint, else the latest training checkpoint, else (an imported model not fine-tuned
-    yet) the imported parameters.
+    'best' (kept by training's config.best_checkpoint_metric), 'latest', or None: the averaged
+    checkpoint if it was made from the latest training checkpoint, else the latest training
+    checkpoint, else (an imported model not fine-tuned yet) the imported parameters.
     """
     check_decoding_options(batch_size=batch_size)
     workdir = Workdir(workdir)

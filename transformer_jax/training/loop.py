@@ -14,6 +14,8 @@ import ml_collections
 import numpy as np
 from absl import logging
 
+from transformer_jax.checkpoints.best import DATA_KEY as BEST_CHECKPOINT_KEY
+from transformer_jax.checkpoints.best import BestCheckpoint
 from transformer_jax.checkpoints.checkpointer import Checkpointer, restore_params_from
 from transformer_jax.common.errors import CorruptCheckpointError, NonFiniteError, UserInputError
 from transformer_jax.common.log import format_duration, log
@@ -116,6 +118,8 @@ class _Run:
     )
     self.writer = MetricWriter(workdir.tensorboard)
     self.workdir = workdir
+    # The best evaluation so far by config.best_checkpoint_metric (None: not tracked).
+    self.best: BestCheckpoint | None = None
 
   def restore_or_init(self) -> TrainState:
     """The latest intact checkpoint's state (and input position), else a fresh state."""
@@ -132,6 +136,14 @@ class _Run:
         f'every checkpoint in {self.checkpointer.directory} was damaged and has been moved '
         f'aside (newest: {damaged[0]}); rerun to start from scratch, or repair them by hand'
       )
+    if self.config.best_checkpoint_metric:
+      # Continued from the checkpoint's record, and kept beyond the last keep_checkpoints.
+      self.best = BestCheckpoint.from_json(
+        restored[1].get(BEST_CHECKPOINT_KEY) if restored else None,
+        self.config.best_checkpoint_metric,
+        self.config.early_stopping_patience,
+      )
+      self.checkpointer.keep_also(self.best.step)
     if restored is None:
       state = self.trainer.init_state(self.config.seed)
       if imported.imported_params_are_latest(self.workdir, trained=False):
@@ -196,7 +208,26 @@ class _Run:
     # Skipped updates keep parameters finite; this guards against anything else.
     if not bool(self.trainer.all_finite(state.params)):
       raise NonFiniteError(f'parameters are not finite at step {step}; not checkpointing')
-    self.checkpointer.save(step, state, {'train_iterator': self.train_iterator.get_state()})
+    data_state = {'train_iterator': self.train_iterator.get_state()}
+    if self.best is not None:
+      data_state[BEST_CHECKPOINT_KEY] = self.best.to_json()
+    self.checkpointer.save(step, state, data_state)
+
+  def judge(self, step: int, result: dict[str, float]) -> tuple[bool, bool]:
+    """(whether the evaluation at `step` is the best so far, whether the patience ran out) by
+    config.best_checkpoint_metric."""
+    if self.best is None:
+      return False, False
+    value = result[self.best.metric]
+    if jax.process_count() > 1:  # The first process's value, so that all save alike.
+      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+
+      value = float(multihost_utils.broadcast_one_to_all(np.float32(value)))
+    improved = self.best.update(step, value)
+    if improved:
+      self.checkpointer.keep_also(step)
+      log(f'new {self.best.describe()}')
+    return improved, self.best.exhausted
 
   def close(self) -> None:
     self.checkpointer.close()
@@ -298,6 +329,12 @@ def _loop(
   if remaining is not None:
     time_limit.cooldown_placed, cooldown_end = True, start_step + remaining
   final_step = min(config.num_train_steps, cooldown_end or config.num_train_steps)
+  if run.best is not None and run.best.exhausted:  # Stopped early before: nothing to train.
+    log(
+      f'config.early_stopping_patience ({run.best.patience}) ran out at step {start_step} '
+      f'({run.best.describe()}); nothing to train'
+    )
+    final_step = start_step
   training_log = TrainingLog(run.writer, final_step, start_step)
   eval_metrics: dict[str, float] = {}
   previous_metrics = None
@@ -354,9 +391,21 @@ def _loop(
         'rerun the same command to resume'
       )
       return {**eval_metrics, 'preempted': 1.0, 'step': float(step)}
+    improved = patience_ran_out = False
     if _every(step, config.eval_every_steps, last_step):
       eval_metrics = run.evaluate(state.params, step)
-    if _every(step, config.checkpoint_every_steps, last_step):
+      # Only the evaluations every eval_every_steps are judged, not one at a run's last step:
+      # a run cut and resumed then keeps the same record as the uninterrupted one.
+      if step % config.eval_every_steps == 0:
+        improved, patience_ran_out = run.judge(step, eval_metrics)
+      if patience_ran_out and not stop:
+        stop = (
+          f'config.early_stopping_patience ({run.best.patience}) ran out ({run.best.describe()})'
+        )
+        if not _every(step, config.log_every_steps, last_step):  # Its last window, logged.
+          training_log.write(step, int(jax.device_get(state.skipped_steps)))
+    # A new best is saved at once, as is the step where the run stops.
+    if _every(step, config.checkpoint_every_steps, step if stop else last_step) or improved:
       run.save(state, step)
       training_log.restart_clock()
     if stop and step < config.num_train_steps:

@@ -20,6 +20,7 @@ import jax
 import ml_collections
 from etils import epath
 
+from transformer_jax.checkpoints import best
 from transformer_jax.checkpoints.checkpointer import list_steps
 from transformer_jax.common import paths
 from transformer_jax.common.errors import (
@@ -32,6 +33,7 @@ from transformer_jax.common.errors import (
   is_number,
 )
 from transformer_jax.data import number_words, text_dataset, tokenizer
+from transformer_jax.evaluation import metrics
 from transformer_jax.model.config import TransformerConfig
 from transformer_jax.training import optim, sharding
 from transformer_jax.workdir import imported
@@ -366,6 +368,28 @@ def _validate_loop(config) -> None:
   ):
     check_positive_integer(f'config.{name}', config[name])
   check_integer_at_least('config.eval_decode_examples', config.eval_decode_examples, 0)
+  metric = config.best_checkpoint_metric
+  if metric and metric not in best.METRIC_MODES:
+    raise UserInputError(
+      f'config.best_checkpoint_metric must be one of {", ".join(best.METRIC_MODES)} (or empty '
+      f'for none), got {metric!r}'
+    )
+  if metric in best.DECODED_METRICS and not config.eval_decode_examples:
+    raise UserInputError(
+      f'config.best_checkpoint_metric={metric!r} is computed by greedy decoding at each '
+      'evaluation, but config.eval_decode_examples is 0'
+    )
+  if metric == 'bleu' and not metrics.bleu_is_meaningful(config.dataset):
+    raise UserInputError(
+      f"config.best_checkpoint_metric='bleu': the evaluation of {config.dataset} reports no "
+      "BLEU (its outputs are not sentences): use 'chrf' or 'exact_match'"
+    )
+  check_integer_at_least('config.early_stopping_patience', config.early_stopping_patience, 0)
+  if config.early_stopping_patience and not metric:
+    raise UserInputError(
+      f'config.early_stopping_patience={config.early_stopping_patience} counts evaluations '
+      'without a better config.best_checkpoint_metric, which is not set'
+    )
   check_number_at_least('config.lock_expiry_seconds', config.lock_expiry_seconds, 0, strict=True)
   limit = config.train_time_limit_minutes
   check_number_at_least('config.train_time_limit_minutes', limit, 0)
