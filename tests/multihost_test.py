@@ -44,7 +44,11 @@ def get_config():
   config.learning_rate_scale = 0.25
   config.log_every_steps = 4
   config.checkpoint_every_steps = 1000
-  config.eval_every_steps = 1000
+  # Evaluations from step 8 (before the preemption notice) judged by process 0's loss
+  # (broadcast), each better one saved at once by both processes together: neither may hang
+  # or change the run.
+  config.eval_every_steps = 8
+  config.best_checkpoint_metric = 'loss'
   config.eval_decode_examples = 32  # Decoded across both processes at the final evaluation.
   config.eval_batch_size = 16
   # Never reached, but with two processes it is checked at every log step by a broadcast of
@@ -118,6 +122,7 @@ def test_two_processes_equal_one_stop_together_and_resume_in_one(tmp_path, data_
   saved = [line for line in log_0.splitlines() if 'preemption received: checkpoint saved' in line]
   assert saved, log_0[-3000:]  # Process 0 stopped too, though only process 1 got the signal.
   stopped_at = int(saved[0].split('saved at step ')[1].split(';')[0])
+  assert 'new best validation loss' in log_0 and 'at step 8' in log_0, log_0[-3000:]
   assert 8 <= stopped_at < STEPS
   assert 'step ' not in log_1  # Only process 0 logs ...
   assert len(os.listdir(workdir / 'tensorboard')) == 1  # ... and writes TensorBoard.
