@@ -59,7 +59,7 @@ from transformer_jax.model import matmul
 from transformer_jax.training import host_memory  # noqa: E402
 from transformer_jax.training import losses as training_losses  # noqa: E402
 from transformer_jax.training import step as training_step  # noqa: E402
-from transformer_jax.training.trainer import Trainer
+from transformer_jax.training.trainer import Trainer, forget_programs
 
 flags.DEFINE_string(
   'size', 'small', "tiny, small or base (see transformer_jax.benchmark), or 'multi30k'"
@@ -279,6 +279,7 @@ def main(argv):
       model_config=spec.model_config.replace(**_CONFIG_CHANGES[variant]),
     )
     with _patched(variant):  # Patches matter while tracing, i.e. during the first step.
+      forget_programs()  # Variants of one config differ only by their patches: trace each.
       trainer = Trainer(variant_spec.config, variant_spec.model_config)
       state = trainer.init_state(0)
       start = time.perf_counter()

@@ -308,6 +308,52 @@ def test_gradient_accumulation_chunked_loss_and_unrolled_layers_equal_the_plain_
   assert moved > 1e-4, moved
 
 
+def test_trainers_of_one_configuration_share_their_programs_and_no_other(tmp_path):
+  """A second Trainer of the same settings reuses the first one's jitted programs (a second run
+  in one process neither traces nor compiles); each setting the programs depend on gives new
+  ones, so a changed value is never run with a program built for the old one."""
+  config = tiny_config(str(tmp_path))
+  model_config = run_config.model_config_from(config, vocab_size=40)
+  first = training_trainer.Trainer(config, model_config)
+  again = training_trainer.Trainer(config.copy_and_resolve_references(), model_config)
+  assert again.train_step is first.train_step and again.eval_step is first.eval_step
+  assert again.optimizer is first.optimizer  # TrainState's static field: part of jit's key.
+  changes = {
+    'label_smoothing': 0.2,
+    'learning_rate_scale': 0.5,
+    'warmup_steps': 7,
+    'adam_b2': 0.99,
+    'weight_decay': 0.01,
+    'grad_clip_norm': 1.0,
+    'grad_accum_steps': 2,
+    'loss_rows_per_chunk': 8,
+    'rdrop_alpha': 1.0,
+    'max_target_length': 16,
+  }
+  for field, value in changes.items():
+    changed = config.copy_and_resolve_references()
+    changed[field] = value
+    other = training_trainer.Trainer(changed, model_config)
+    assert other.train_step is not first.train_step, field
+  dropout = training_trainer.Trainer(config, model_config.replace(dropout_rate=0.3))
+  assert dropout.train_step is not first.train_step
+  training_trainer.forget_programs()  # For code patched in between (bench/levers.py).
+  assert training_trainer.Trainer(config, model_config).train_step is not first.train_step
+  # And the changed value is the one computed with: the same parameters and batch, evaluated
+  # with label smoothing 0.1 and 0.
+  rng = np.random.default_rng(0)
+  batch = {
+    'inputs': rng.integers(3, 40, (4, 8)).astype(np.int32),
+    'targets': rng.integers(3, 40, (4, 8)).astype(np.int32),
+  }
+  params = first.init_state(seed=0).params
+  unsmoothed = config.copy_and_resolve_references()
+  unsmoothed.label_smoothing = 0.0
+  smoothed_loss = first.evaluate(params, [batch])['loss']
+  plain_loss = training_trainer.Trainer(unsmoothed, model_config).evaluate(params, [batch])['loss']
+  assert abs(plain_loss - smoothed_loss) > 0.1, (plain_loss, smoothed_loss)  # 4.89 vs 4.16
+
+
 def test_rdrop_brings_the_two_dropout_predictions_together(tmp_path):
   """Trained on one batch with dropout 0.3, R-Drop (alpha 5) leaves two dropout passes of
   the model disagreeing less (their symmetric KL per token) than the same training without it;

@@ -192,22 +192,12 @@ def _unbox(tree: Any) -> Any:
   )
 
 
-def sharded_init(
-  init_fn: Callable[..., Any], mesh: Mesh, rules: Rules, *args, shardings: Any = None
-) -> tuple[Any, Any]:
-  """Runs `init_fn(*args)` under jit so its outputs are created already sharded.
-
-  `jax.eval_shape` gives the (boxed) shapes without computing anything; the logical names on
-  them give the shardings (or pass `shardings` computed before); `jit(..., out_shardings=...)`
-  then materialises each array directly in its place, never whole on one device. Returns
-  (unboxed values, their shardings).
-  """
-  if shardings is None:
-    abstract = jax.eval_shape(init_fn, *args)
-    shardings = logical_shardings(abstract, mesh, rules)
-  with jax.set_mesh(mesh):
-    values = jax.jit(lambda *a: _unbox(init_fn(*a)), out_shardings=shardings)(*args)
-  return values, shardings
+def sharded_initializer(init_fn: Callable[..., Any], shardings: Any) -> Callable[..., Any]:
+  """`init_fn` under jit, its outputs created already sharded: `jit(..., out_shardings=...)`
+  materialises each array directly in its place (`shardings`, from `logical_shardings` of its
+  `jax.eval_shape`), never whole on one device; boxed values come out unboxed. Call it under
+  `jax.set_mesh(mesh)`."""
+  return jax.jit(lambda *a: _unbox(init_fn(*a)), out_shardings=shardings)
 
 
 # Environment variables by which a cluster manager says this process is one of several:

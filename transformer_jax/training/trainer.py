@@ -6,6 +6,7 @@ an update does not need twice the memory. Also greedy decoding of evaluation bat
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -26,6 +27,131 @@ from transformer_jax.training.optim import make_optimizer, start_timed_cooldown
 from transformer_jax.training.step import TrainState, eval_step, train_step
 
 
+@dataclasses.dataclass(frozen=True)
+class _StepSettings:
+  """The config values the jitted programs close over, besides the model and optimiser."""
+
+  label_smoothing: float
+  grad_accum_steps: int
+  loss_rows_per_chunk: int
+  rdrop_alpha: float
+  max_source_length: int
+  max_target_length: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _Programs:
+  model: Transformer
+  optimizer: Any
+  learning_rate_fn: Any
+  batch_sharding: Any
+  state_shardings: Any
+  abstract_state: Any
+  init: Any
+  train_step: Any
+  start_cooldown: Any
+  eval_step: Any
+  all_finite: Any
+  greedy_decode: Any
+
+
+# Trainers of the same model, optimiser, settings, mesh and rules share their jitted programs:
+# jit caches what it traced and compiled per function object, so a second run in one process
+# (a sweep, a notebook, a resumed run, the test suite) skips tracing, lowering and compiling,
+# ~2-5 s per run at the sizes tests use. The persistent compilation cache saves only the last.
+# The optimiser is shared too: it is a static field of TrainState, part of the jit cache key.
+# `_programs` is given each value its programs close over, never the config: a value a program
+# comes to depend on has to be one of its arguments, and so of the cache's key.
+@functools.lru_cache(maxsize=8)
+def _programs(
+  model_config: TransformerConfig,
+  optimizer_settings: tuple,
+  settings: _StepSettings,
+  mesh: jax.sharding.Mesh,
+  rules: tuple,
+) -> _Programs:
+  model = Transformer(model_config)
+  optimizer, learning_rate_fn = make_optimizer(**dict(optimizer_settings))
+
+  def init_state(rng) -> TrainState:
+    params_rng, dropout_rng = jax.random.split(rng)
+    source = jnp.ones((1, settings.max_source_length), jnp.int32)
+    target = jnp.ones((1, settings.max_target_length), jnp.int32)
+    params = model.init({'params': params_rng}, source, target)['params']
+    return TrainState.create(
+      apply_fn=model.apply,
+      params=params,
+      tx=optimizer,
+      dropout_rng=dropout_rng,
+      skipped_steps=jnp.zeros((), jnp.int32),
+      nonfinite_streak=jnp.zeros((), jnp.int32),
+    )
+
+  batch_sharding = sharding.batch_sharding(mesh)
+  abstract = jax.eval_shape(init_state, jax.random.PRNGKey(0))
+  state_shardings = sharding.logical_shardings(abstract, mesh, list(rules))
+  abstract_state = jax.tree_util.tree_map(
+    lambda leaf, s: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=s),
+    nn.meta.unbox(abstract),
+    state_shardings,
+  )
+  replicated = sharding.replicated(mesh)
+  return _Programs(
+    model=model,
+    optimizer=optimizer,
+    learning_rate_fn=learning_rate_fn,
+    batch_sharding=batch_sharding,
+    state_shardings=state_shardings,
+    abstract_state=abstract_state,
+    init=sharding.sharded_initializer(init_state, state_shardings),
+    train_step=jax.jit(
+      functools.partial(
+        train_step,
+        model=model,
+        learning_rate_fn=learning_rate_fn,
+        label_smoothing=settings.label_smoothing,
+        grad_accum_steps=settings.grad_accum_steps,
+        loss_rows_per_chunk=settings.loss_rows_per_chunk,
+        rdrop_alpha=settings.rdrop_alpha,
+      ),
+      in_shardings=(state_shardings, batch_sharding),
+      out_shardings=(state_shardings, replicated),
+      donate_argnums=(0,),
+    ),
+    # (state, length: int32 scalar) -> the state with its timed cooldown placed to start at
+    # the next update (`optim.timed_cooldown`); the old state's buffers are donated.
+    start_cooldown=jax.jit(
+      lambda state, length: state.replace(opt_state=start_timed_cooldown(state.opt_state, length)),
+      in_shardings=(state_shardings, replicated),
+      out_shardings=state_shardings,
+      donate_argnums=(0,),
+    ),
+    eval_step=jax.jit(
+      functools.partial(eval_step, model=model, label_smoothing=settings.label_smoothing),
+      in_shardings=(state_shardings.params, batch_sharding),
+      out_shardings=replicated,
+    ),
+    all_finite=jax.jit(
+      lambda params: jnp.all(
+        jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(params)])
+      ),
+      in_shardings=(state_shardings.params,),
+      out_shardings=replicated,
+    ),
+    greedy_decode=jax.jit(
+      functools.partial(decoding.greedy_decode, model, max_decode_len=settings.max_target_length),
+      in_shardings=(state_shardings.params, batch_sharding),
+      out_shardings=replicated,
+    ),
+  )
+
+
+def forget_programs() -> None:
+  """Drops the shared programs, so that the next Trainer traces its own: for code changed in
+  between that its programs call (bench/levers.py patches functions to time variants)."""
+  _programs.cache_clear()
+
+
 class Trainer:
   """Owns the mesh, the jitted steps and the state shardings for one model and config.
 
@@ -41,10 +167,9 @@ class Trainer:
   ):
     self.config = config
     self.model_config = model_config
-    self.model = Transformer(model_config)
     self.mesh = mesh if mesh is not None else sharding.create_mesh(tuple(config.mesh_shape))
     self.rules = sharding.normalize_rules(config.logical_axis_rules)
-    self.optimizer, self.learning_rate_fn = make_optimizer(
+    optimizer_settings = dict(
       d_model=model_config.d_model,
       warmup_steps=config.warmup_steps,
       learning_rate_scale=config.learning_rate_scale,
@@ -59,81 +184,37 @@ class Trainer:
       weight_decay=config.weight_decay,
       timed=config.cooldown_minutes > 0,
     )
-    self.batch_sharding = sharding.batch_sharding(self.mesh)
-    abstract = jax.eval_shape(self._init_state, jax.random.PRNGKey(0))
-    self.state_shardings = sharding.logical_shardings(abstract, self.mesh, self.rules)
-    self.abstract_state = jax.tree_util.tree_map(
-      lambda leaf, s: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=s),
-      nn.meta.unbox(abstract),
-      self.state_shardings,
+    step_settings = _StepSettings(
+      label_smoothing=config.label_smoothing,
+      grad_accum_steps=config.grad_accum_steps,
+      loss_rows_per_chunk=config.loss_rows_per_chunk,
+      rdrop_alpha=config.rdrop_alpha,
+      max_source_length=config.max_source_length,
+      max_target_length=config.max_target_length,
     )
-    replicated = sharding.replicated(self.mesh)
-    self.train_step = jax.jit(
-      functools.partial(
-        train_step,
-        model=self.model,
-        learning_rate_fn=self.learning_rate_fn,
-        label_smoothing=config.label_smoothing,
-        grad_accum_steps=config.grad_accum_steps,
-        loss_rows_per_chunk=config.loss_rows_per_chunk,
-        rdrop_alpha=config.rdrop_alpha,
-      ),
-      in_shardings=(self.state_shardings, self.batch_sharding),
-      out_shardings=(self.state_shardings, replicated),
-      donate_argnums=(0,),
+    programs = _programs(
+      model_config,
+      tuple(sorted(optimizer_settings.items())),
+      step_settings,
+      self.mesh,
+      tuple(self.rules),
     )
-    # (state, length: int32 scalar) -> the state with its timed cooldown placed to start at the
-    # next update (`optim.timed_cooldown`); the old state's buffers are donated.
-    self.start_cooldown = jax.jit(
-      lambda state, length: state.replace(opt_state=start_timed_cooldown(state.opt_state, length)),
-      in_shardings=(self.state_shardings, replicated),
-      out_shardings=self.state_shardings,
-      donate_argnums=(0,),
-    )
-    self.eval_step = jax.jit(
-      functools.partial(eval_step, model=self.model, label_smoothing=config.label_smoothing),
-      in_shardings=(self.state_shardings.params, self.batch_sharding),
-      out_shardings=replicated,
-    )
-    self.all_finite = jax.jit(
-      lambda params: jnp.all(
-        jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(params)])
-      ),
-      in_shardings=(self.state_shardings.params,),
-      out_shardings=replicated,
-    )
-    self.greedy_decode = jax.jit(
-      functools.partial(
-        decoding.greedy_decode, self.model, max_decode_len=config.max_target_length
-      ),
-      in_shardings=(self.state_shardings.params, self.batch_sharding),
-      out_shardings=replicated,
-    )
-
-  def _init_state(self, rng) -> TrainState:
-    params_rng, dropout_rng = jax.random.split(rng)
-    source = jnp.ones((1, self.config.max_source_length), jnp.int32)
-    target = jnp.ones((1, self.config.max_target_length), jnp.int32)
-    params = self.model.init({'params': params_rng}, source, target)['params']
-    return TrainState.create(
-      apply_fn=self.model.apply,
-      params=params,
-      tx=self.optimizer,
-      dropout_rng=dropout_rng,
-      skipped_steps=jnp.zeros((), jnp.int32),
-      nonfinite_streak=jnp.zeros((), jnp.int32),
-    )
+    self.model = programs.model
+    self.optimizer, self.learning_rate_fn = programs.optimizer, programs.learning_rate_fn
+    self.batch_sharding = programs.batch_sharding
+    self.state_shardings = programs.state_shardings
+    self.abstract_state = programs.abstract_state
+    self._init = programs.init
+    self.train_step = programs.train_step
+    self.start_cooldown = programs.start_cooldown
+    self.eval_step = programs.eval_step
+    self.all_finite = programs.all_finite
+    self.greedy_decode = programs.greedy_decode
 
   def init_state(self, seed: int) -> TrainState:
     """Parameters and optimiser state created directly in their shardings."""
-    state, _ = sharding.sharded_init(
-      self._init_state,
-      self.mesh,
-      self.rules,
-      jax.random.PRNGKey(seed),
-      shardings=self.state_shardings,
-    )
-    return state
+    with jax.set_mesh(self.mesh):
+      return self._init(jax.random.PRNGKey(seed))
 
   def global_batch(self, local_batch: dict) -> dict:
     """This process's rows -> global arrays, rows split jointly over ('data', 'fsdp').
