@@ -188,6 +188,33 @@ def test_two_checkpoints_decode_greedily_the_argmax_of_their_mean_probabilities(
   np.testing.assert_allclose(np.exp(np.asarray(first_step(params, src))), mean[:, 0], atol=1e-5)
 
 
+def test_ensembles_share_programs_only_with_equal_members_and_weights(tiny_workdir):
+  """Ensembles share their jitted searches as Translators do (`translator._SharedPrograms`),
+  keyed on the members' models and weights, which the searches close over: each ensemble's
+  scores are the log of its own weighted mean."""
+  members = [Translator.from_checkpoint(tiny_workdir, step, batch_size=4) for step in (4, 8)]
+  pairs = (SOURCES, ['dreihundertzwölf', 'zweiundvierzig', 'tausendsieben', 'neunundneunzig'])
+  own = [np.array([s['log_prob'] for s in m.score(*pairs)]) for m in members]
+  mixed = {}
+  for weights in ((1, 3), (3, 1), (1, 3)):
+    ensemble = Ensemble(members, weights=weights, batch_size=4)
+    scores = np.array([s['log_prob'] for s in ensemble.score(*pairs)])
+    w = np.array(weights) / sum(weights)
+    # The mixture is per token: log(w1 p1 + w2 p2) at each token, summed.
+    per_token = [
+      [np.array(s['token_log_probs']) for s in m.score(*pairs, per_token=True)] for m in members
+    ]
+    expected = [
+      np.log(w[0] * np.exp(p) + w[1] * np.exp(q)).sum() for p, q in zip(*per_token, strict=True)
+    ]
+    np.testing.assert_allclose(scores, expected, atol=1e-4)
+    mixed.setdefault(weights, []).append(ensemble._batches)
+  assert not np.allclose(own[0], own[1], atol=0.05)  # The members differ: weights matter.
+  (a, c), (b,) = mixed[(1, 3)], mixed[(3, 1)]
+  assert a._token_log_probs is c._token_log_probs and a._beam is c._beam
+  assert b._token_log_probs is not a._token_log_probs and b._beam is not a._beam
+
+
 def test_members_of_other_sizes_and_max_len_translate_together_within_the_smallest(
   random_translator, caplog
 ):

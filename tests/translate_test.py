@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from transformer_jax.benchmark import decoding as decode_benchmark
 from transformer_jax.common.errors import UserInputError
 from transformer_jax.inference import decoding
+from transformer_jax.inference import translator as translator_module
 from transformer_jax.inference.decoding import source_bucket
 from transformer_jax.inference.translator import Translator
 from transformer_jax.search import decode
@@ -183,6 +184,7 @@ def test_a_cudnn_trained_model_translates_on_cpu_through_xla_attention(tmp_path)
 def test_repeated_batch_shapes_compile_once():
   """Batches are padded to fixed rows and power-of-two source lengths: new sentences of
   already-seen bucket lengths reuse the compiled decoders (issue 7: no recompilation)."""
+  translator_module.forget_programs()  # Counted from none (earlier Translators share them).
   translator = random_weight_translator()
   max_len = translator.model_config.max_len
 
@@ -202,6 +204,37 @@ def test_repeated_batch_shapes_compile_once():
   assert (translator._greedy._cache_size(), translator._beam._cache_size()) == compiled
   translator.translate(longer, beam_size=1)
   assert translator._greedy._cache_size() == 2
+
+
+def test_translators_of_one_model_share_their_programs_and_no_other():
+  """Restoring a model again (a notebook, a sweep, the server's reloads) traces and compiles
+  nothing again: Translators of equal models share the jitted searches; the parameters are
+  arguments, so each translates with its own."""
+  translator_module.forget_programs()
+  first = random_weight_translator()
+  sources = ['one', 'two hundred', 'three thousand four hundred five']
+  expected = first.translate(sources, beam_size=2)
+  assert first._beam._cache_size() == 1
+  # Other parameters of the same model: the same programs, nothing compiled, its own outputs.
+  params = jax.tree_util.tree_map(lambda x: x * 1.5, first.params)
+  second = Translator(first.model_config, params, first.tokenizer, batch_size=first.batch_size)
+  programs = ('_greedy', '_beam', '_sample', '_token_log_probs', '_attention_apply')
+  assert all(getattr(second, name) is getattr(first, name) for name in programs)
+  rescaled = second.translate(sources, beam_size=2)
+  assert first._beam._cache_size() == 1
+  assert rescaled != expected  # Computed with its parameters, not the first's.
+  # Another model (each config field is the model's: the frozen dataclass is the key).
+  other = Translator(
+    first.model_config.replace(max_len=first.model_config.max_len + 8),
+    first.params,
+    first.tokenizer,
+    batch_size=first.batch_size,
+  )
+  assert not any(getattr(other, name) is getattr(first, name) for name in programs)
+  # After forget_programs (code patched in between), new programs.
+  translator_module.forget_programs()
+  again = Translator(first.model_config, first.params, first.tokenizer, batch_size=4)
+  assert again._beam is not first._beam and again.translate(sources, beam_size=2) == expected
 
 
 @pytest.mark.parametrize('beam_size', [1, 4])

@@ -269,6 +269,11 @@ class _EnsembleBatches(Translator):
       lambda params, src, tgt: ensemble_target_log_probs(models, params, src, tgt, weights),
     )
 
+  def _programs_key(self) -> tuple:
+    """What `_searches` closes over (`Translator._programs_key`): the members' models, their
+    weights, and the model whose max_len caps the output."""
+    return (type(self).__name__, self.model, self._models, self._weights)
+
 
 class Ensemble:
   """Several `Translator`s sharing a vocabulary, translating as one: `.translate(list_of_str)

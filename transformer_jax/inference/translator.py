@@ -5,10 +5,12 @@ translate command's file handling: `text_files`."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import math
-from typing import Sequence
+import threading
+from typing import Any, Callable, NamedTuple, Sequence
 
 import flax.linen as nn
 import jax
@@ -34,13 +36,66 @@ from transformer_jax.search import decode
 from transformer_jax.search.decode import strip_after_eos
 from transformer_jax.workdir.layout import Workdir
 
-__all__ = ['AttentionMaps', 'DecodingOptions', 'Hypothesis', 'Translator', 'check_decoding_options']
+__all__ = [
+  'AttentionMaps',
+  'DecodingOptions',
+  'Hypothesis',
+  'Translator',
+  'check_decoding_options',
+  'forget_programs',
+]
 
 # The searches' keyword arguments that shape their programs (`Translator._build_programs`).
 BEAM_STATIC = ('beam_size', 'alpha', 'max_decode_len', 'rule')
 # Sampling's temperature and top_p are traced (a new value compiles nothing); whether each is
 # applied at all (`tempered`, `nucleus`) is static, so that an unused filter costs nothing.
 SAMPLE_STATIC = ('top_k', 'tempered', 'nucleus', 'max_decode_len')
+
+
+class _Programs(NamedTuple):
+  """A model's jitted programs (`Translator._jit_programs`); each takes the parameters first."""
+
+  greedy: Callable
+  beam: Callable
+  sample: Callable
+  token_log_probs: Callable
+  attention: Callable
+
+
+class _SharedPrograms:
+  """The jitted programs of the last few models, by `Translator._programs_key`.
+
+  jit caches its traces and executables per function object, so every Translator built its own
+  and traced, lowered and compiled them again: restoring one workdir twice in a process (a
+  notebook, a sweep, the server's reloads, the test suite) paid each compilation twice (the
+  persistent cache saves XLA's part only). The parameters are arguments, never closed over, so a
+  shared program serves any parameters of the model's shapes."""
+
+  def __init__(self, capacity: int):
+    self._capacity = capacity
+    self._programs: collections.OrderedDict[Any, _Programs] = collections.OrderedDict()
+    self._lock = threading.Lock()  # Servers build Translators beside a decoding thread.
+
+  def get(self, key, build: Callable[[], _Programs]) -> _Programs:
+    with self._lock:
+      programs = self._programs.pop(key, None) or build()  # jax.jit itself compiles nothing.
+      self._programs[key] = programs
+      while len(self._programs) > self._capacity:
+        self._programs.popitem(last=False)
+      return programs
+
+  def clear(self) -> None:
+    with self._lock:
+      self._programs.clear()
+
+
+_SHARED_PROGRAMS = _SharedPrograms(capacity=8)
+
+
+def forget_programs() -> None:
+  """Drops the shared programs: for code patched after a Translator was made (benchmarks of
+  variants; the training side's `training.trainer.forget_programs`)."""
+  _SHARED_PROGRAMS.clear()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +138,8 @@ class Translator:
 
   def _searches(self) -> tuple:
     """(greedy, beam, sample, target_log_probs): `decoding`'s functions bound to this model,
-    each taking the parameters first. An ensemble (`inference.ensemble`) returns its own."""
+    each taking the parameters first. An ensemble (`inference.ensemble`) returns its own, and
+    its own `_programs_key`."""
     model = self.model
     return (
       functools.partial(greedy_decode, model),
@@ -92,50 +148,69 @@ class Translator:
       functools.partial(target_log_probs, model),
     )
 
+  def _programs_key(self) -> tuple:
+    """Everything `_searches` and `_attention_apply` close over (the parameters are arguments):
+    Translators of equal keys share their jitted programs (`_SharedPrograms`)."""
+    return (type(self).__name__, self.model)
+
   def _build_programs(self) -> None:
-    """The jitted searches every decoding mode runs (`_decode_batch`), over `_searches`. Shapes
-    and the keyword arguments are static: one program per batch shape and setting."""
+    """The jitted searches every decoding mode runs (`_decode_batch`), over `_searches`, shared
+    with every Translator of the same model (`_SharedPrograms`). Shapes and the keyword
+    arguments are static: one program per batch shape and setting."""
+    programs = _SHARED_PROGRAMS.get(self._programs_key(), self._jit_programs)
+    self._greedy, self._beam, self._sample, self._token_log_probs, self._attention_apply = programs
+
+  def _jit_programs(self) -> _Programs:
     greedy, beam, sample, log_probs = self._searches()
-    self._greedy = jax.jit(
-      lambda params, src, prefix, prefix_lengths, *, max_decode_len: greedy(
+    model = self.model
+
+    def run_sample(
+      params, src, keys, max_lengths, prefix, prefix_lengths, temperature, top_p, **static
+    ):
+      return sample(
         params,
         src,
-        max_decode_len=max_decode_len,
-        prefix=prefix,
-        prefix_lengths=prefix_lengths,
-      ),
-      static_argnames=('max_decode_len',),
-    )
-    self._beam = jax.jit(
-      lambda params, src, max_lengths, prefix, prefix_lengths, **static: beam(
-        params,
-        src,
+        keys=keys,
         max_lengths=max_lengths,
         prefix=prefix,
         prefix_lengths=prefix_lengths,
-        **static,
-      ),
-      static_argnames=BEAM_STATIC,
-    )
-    self._sample = jax.jit(
-      lambda params, src, keys, max_lengths, prefix, prefix_lengths, temperature, top_p, **static: (
-        sample(
+        top_k=static['top_k'],
+        max_decode_len=static['max_decode_len'],
+        # Each filter statically off (1) unless applied.
+        temperature=temperature if static['tempered'] else 1.0,
+        top_p=top_p if static['nucleus'] else 1.0,
+      )
+
+    return _Programs(
+      greedy=jax.jit(
+        lambda params, src, prefix, prefix_lengths, *, max_decode_len: greedy(
           params,
           src,
-          keys=keys,
+          max_decode_len=max_decode_len,
+          prefix=prefix,
+          prefix_lengths=prefix_lengths,
+        ),
+        static_argnames=('max_decode_len',),
+      ),
+      beam=jax.jit(
+        lambda params, src, max_lengths, prefix, prefix_lengths, **static: beam(
+          params,
+          src,
           max_lengths=max_lengths,
           prefix=prefix,
           prefix_lengths=prefix_lengths,
-          top_k=static['top_k'],
-          max_decode_len=static['max_decode_len'],
-          # Each filter statically off (1) unless applied.
-          temperature=temperature if static['tempered'] else 1.0,
-          top_p=top_p if static['nucleus'] else 1.0,
+          **static,
+        ),
+        static_argnames=BEAM_STATIC,
+      ),
+      sample=jax.jit(run_sample, static_argnames=SAMPLE_STATIC),
+      token_log_probs=jax.jit(log_probs),
+      attention=jax.jit(
+        lambda params, src, tgt_in: model.apply(
+          {'params': params}, src, tgt_in, mutable=['intermediates']
         )
       ),
-      static_argnames=SAMPLE_STATIC,
     )
-    self._token_log_probs = jax.jit(log_probs)
 
   @classmethod
   def from_checkpoint(
@@ -471,11 +546,3 @@ class Translator:
         pairs = alignments.merge_to_words(pairs, maps.source_tokens, maps.target_tokens)
       aligned.append((target, alignments.pharaoh(pairs)))
     return aligned
-
-  @functools.cached_property
-  def _attention_apply(self):
-    return jax.jit(
-      lambda params, src, tgt_in: self.model.apply(
-        {'params': params}, src, tgt_in, mutable=['intermediates']
-      )
-    )
