@@ -194,16 +194,16 @@ def test_ensembles_share_programs_only_with_equal_members_and_weights(tiny_workd
   scores are the log of its own weighted mean."""
   members = [Translator.from_checkpoint(tiny_workdir, step, batch_size=4) for step in (4, 8)]
   pairs = (SOURCES, ['dreihundertzwölf', 'zweiundvierzig', 'tausendsieben', 'neunundneunzig'])
-  own = [np.array([s['log_prob'] for s in m.score(*pairs)]) for m in members]
+  per_token = [
+    [np.array(s['token_log_probs']) for s in m.score(*pairs, per_token=True)] for m in members
+  ]
+  own = [np.array([p.sum() for p in member]) for member in per_token]
   mixed = {}
   for weights in ((1, 3), (3, 1), (1, 3)):
     ensemble = Ensemble(members, weights=weights, batch_size=4)
     scores = np.array([s['log_prob'] for s in ensemble.score(*pairs)])
     w = np.array(weights) / sum(weights)
     # The mixture is per token: log(w1 p1 + w2 p2) at each token, summed.
-    per_token = [
-      [np.array(s['token_log_probs']) for s in m.score(*pairs, per_token=True)] for m in members
-    ]
     expected = [
       np.log(w[0] * np.exp(p) + w[1] * np.exp(q)).sum() for p, q in zip(*per_token, strict=True)
     ]
