@@ -14,7 +14,7 @@ import numpy as np
 
 from transformer_jax.inference.translator import Translator
 
-from conftest import REPO_ROOT
+from conftest import FAST_COMPILE_FLAGS, REPO_ROOT
 
 STEPS = 40
 
@@ -60,14 +60,12 @@ def get_config():
 
 
 def _launch(workdir, config_path, devices, process_id=None, port=None):
-  # Compiling dominates these runs; XLA's CPU backend compiles ~2x faster at optimisation
-  # level 0. Every run here uses the same flags, so the comparisons are unaffected.
+  # Compiling dominates these runs (conftest.py's FAST_COMPILE_FLAGS). Every run here uses the
+  # same flags, so the comparisons are unaffected.
   env = dict(
     os.environ,
     JAX_PLATFORMS='cpu',
-    XLA_FLAGS=f'--xla_force_host_platform_device_count={devices} '
-    '--xla_backend_optimization_level=0 '
-    '--xla_llvm_disable_expensive_passes=true',
+    XLA_FLAGS=f'--xla_force_host_platform_device_count={devices} {FAST_COMPILE_FLAGS}',
   )
   command = [sys.executable, 'train.py', f'--workdir={workdir}', f'--config={config_path}']
   if process_id is not None:

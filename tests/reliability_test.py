@@ -22,7 +22,7 @@ from transformer_jax.training import loop, trainer
 from transformer_jax.training import step as training_step
 from transformer_jax.workdir.layout import Workdir
 
-from conftest import REPO_ROOT, TINY_FLAGS, tiny_config
+from conftest import FAST_COMPILE_FLAGS, REPO_ROOT, TINY_FLAGS, tiny_config
 
 
 class _ScaledModel:
@@ -364,12 +364,9 @@ def test_kill_9_at_random_moments_then_resume_equals_uninterrupted(tmp_path, dat
     # Mostly compilation, which one malloc arena slows (host_memory.py).
     '--config.reuse_host_memory=false',
   ]
-  # Compiling dominates each start; XLA's CPU backend compiles ~2x faster at optimisation
-  # level 0, and every run here uses the same flags, so bitwise equality is unaffected.
-  env = dict(
-    os.environ,
-    XLA_FLAGS='--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true',
-  )
+  # Compiling dominates each start (conftest.py's FAST_COMPILE_FLAGS), and every run here uses
+  # the same flags, so bitwise equality is unaffected.
+  env = dict(os.environ, XLA_FLAGS=FAST_COMPILE_FLAGS)
   # The uninterrupted reference runs alongside the killed attempts: these runs leave a core
   # idle much of the time (start-up, compilation), and bitwise results do not depend on the
   # load. Its log goes to a file: nothing can block on it.

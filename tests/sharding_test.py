@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from transformer_jax.training import sharding
 
-from conftest import REPO_ROOT
+from conftest import FAST_COMPILE_FLAGS, REPO_ROOT
 
 MESH = {'data': 2, 'fsdp': 1, 'tensor': 4}
 
@@ -50,11 +50,9 @@ def test_create_mesh_shapes():
 # hence the doubled braces).
 _PREAMBLE = textwrap.dedent("""
     import os, sys, tempfile
-    # Compiling dominates this script's time; XLA's CPU backend at optimisation level 0 compiles
-    # ~2x faster. Every layout below runs under the same flags, so comparisons are unaffected.
-    os.environ['XLA_FLAGS'] = ('--xla_force_host_platform_device_count=8 '
-                               '--xla_backend_optimization_level=0 '
-                               '--xla_llvm_disable_expensive_passes=true')
+    # Compiling dominates this script's time (conftest.py's FAST_COMPILE_FLAGS). Every layout
+    # below runs under the same flags, so comparisons are unaffected.
+    os.environ['XLA_FLAGS'] = '--xla_force_host_platform_device_count=8 {fast_compile_flags}'
     sys.path.insert(0, {repo!r}); sys.path.insert(0, {tests!r})
     import jax, numpy as np
     from absl import logging
@@ -182,7 +180,9 @@ _LAYOUTS = textwrap.dedent("""
 
 def _run_on_8_devices(body: str, timeout: int = 300) -> subprocess.CompletedProcess:
   """_PREAMBLE + `body` in a fresh Python with 8 fake CPU devices; it must print 'OK'."""
-  code = (_PREAMBLE + body).format(repo=REPO_ROOT, tests=os.path.join(REPO_ROOT, 'tests'))
+  code = (_PREAMBLE + body).format(
+    repo=REPO_ROOT, tests=os.path.join(REPO_ROOT, 'tests'), fast_compile_flags=FAST_COMPILE_FLAGS
+  )
   result = subprocess.run(
     [sys.executable, '-c', code], capture_output=True, text=True, timeout=timeout
   )
