@@ -22,6 +22,7 @@ import functools
 from typing import Sequence
 
 import jax
+import jax.numpy as jnp
 from absl import logging
 
 from transformer_jax.common.errors import UserInputError, is_number
@@ -30,8 +31,7 @@ from transformer_jax.inference.decoding import (
   beam_cache_lengths,
   cached_step_fn,
   init_cache,
-  picked_log_probs,
-  teacher_forcing_inputs,
+  target_log_probs,
 )
 from transformer_jax.inference.translator import Translator
 from transformer_jax.model.cache import extend_cache, reorder_beams
@@ -39,10 +39,10 @@ from transformer_jax.model.config import architecture_fields
 from transformer_jax.model.transformer import Transformer
 from transformer_jax.search import decode, sampling
 from transformer_jax.search.ensemble import (
-  combine_log_probs,
   ensemble_extend,
   ensemble_reorder,
   ensemble_step_fn,
+  mix_log_probs,
   normalised_weights,
 )
 from transformer_jax.workdir.layout import Workdir
@@ -172,12 +172,11 @@ def ensemble_target_log_probs(
   models: Sequence[Transformer], params: Sequence, src_ids, tgt_ids, weights=None
 ) -> jax.Array:
   """`decoding.target_log_probs` for an ensemble: each target token's log-probability under
-  the mixture log(sum_m w_m p_m), PAD excluded from every member's softmax: float32 [b, t]."""
-  decoder_inputs = teacher_forcing_inputs(tgt_ids)
-  logits = [
-    model.apply({'params': p}, src_ids, decoder_inputs) for model, p in zip(models, params)
-  ]  # each [b, t, v]
-  return picked_log_probs(combine_log_probs(logits, weights, pad_id=PAD_ID), tgt_ids)
+  the mixture log(sum_m w_m p_m), PAD excluded from every member's softmax: float32 [b, t].
+  The mixture at a token needs only each member's probability of that token, so each member
+  scores alone (its logits reduced block by block, never all stored) and the scores are mixed."""
+  members = [target_log_probs(model, p, src_ids, tgt_ids) for model, p in zip(models, params)]
+  return jnp.where(tgt_ids == PAD_ID, 0.0, mix_log_probs(members, weights))  # [b, t]
 
 
 def check_weights(weights, count: int) -> tuple[float, ...]:

@@ -53,16 +53,25 @@ def combine_log_probs(
   every expm1 is exactly 0, so a member ensembled with itself, or alone, gives exactly its own
   log_softmax, whatever the weights (a plain logsumexp of lp_m + log w_m is off by rounding).
   """
-  weights = normalised_weights(weights, len(logits))
   log_probs = []
   for member in logits:
     member = jnp.asarray(member, jnp.float32)
     if pad_id is not None:
       member = mask_pad(member, pad_id)
     log_probs.append(jax.nn.log_softmax(member, axis=-1))
+  return mix_log_probs(log_probs, weights)
+
+
+def mix_log_probs(
+  log_probs: Sequence[jax.Array], weights: Sequence[float] | None = None
+) -> jax.Array:
+  """log(sum_m w_m * exp(log_probs[m])), elementwise: the mixture of the members'
+  log-probabilities of the same events (`combine_log_probs`' whole distributions, or scoring's
+  one token per position), computed as `combine_log_probs` says: exact for equal members."""
+  weights = normalised_weights(weights, len(log_probs))
   if len(log_probs) == 1:
-    return log_probs[0]
-  stacked = jnp.stack(log_probs)  # [m, ..., vocab]
+    return jnp.asarray(log_probs[0], jnp.float32)
+  stacked = jnp.stack([jnp.asarray(lp, jnp.float32) for lp in log_probs])  # [m, ...]
   best = jnp.max(stacked, axis=0)
   # Where equal (-inf included: PAD in every member) the gap is 0, not -inf - -inf = NaN.
   gaps = jnp.where(stacked == best, 0.0, stacked - best)
