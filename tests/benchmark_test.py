@@ -387,8 +387,8 @@ def test_run_trains_and_decodes_every_size_against_the_runs_fastest_peak(monkeyp
 
 def test_toolkit_rows_time_every_variant_on_full_length_outputs():
   """The toolkit rows (issue 27): every variant runs the same sentences to the length cap, the
-  scoring prototype gives the scoring program's values, CTranslate2's score_batch agrees with
-  ours, and each ratio is the per-round quotient the table prints."""
+  whole-logits scoring variant gives the scoring program's values, CTranslate2's score_batch
+  agrees with ours, and each ratio is the per-round quotient the table prints."""
   cfg = TransformerConfig(
     vocab_size=50, d_model=16, d_ff=32, num_heads=2, num_encoder_layers=1, num_decoder_layers=2
   )

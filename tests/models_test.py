@@ -332,6 +332,35 @@ def test_marian_switches_add_exactly_their_parameters_and_the_logits_bias_adds_t
   np.testing.assert_allclose(with_bias - without, np.broadcast_to(bias, without.shape), atol=1e-5)
 
 
+@pytest.mark.parametrize(
+  'changes',
+  [
+    dict(),
+    dict(share_embeddings=False),
+    dict(logits_bias=True, pre_norm=True),
+    dict(share_embeddings=False, logits_bias=True, dtype='bfloat16'),
+  ],
+  ids=['shared', 'unshared', 'bias_pre_norm', 'unshared_bias_bfloat16'],
+)
+def test_block_logits_are_the_output_logits_columns(changes):
+  cfg = TINY.replace(**changes)
+  model = Transformer(cfg)
+  params = _random_params(cfg)
+  rng = np.random.default_rng(1)
+  decoder_output = jnp.asarray(rng.normal(size=(3, 4, cfg.d_model)), jnp.float32)
+  whole = model.apply({'params': params}, decoder_output, method=Transformer.output_logits)
+  features = model.apply({'params': params}, decoder_output, method=Transformer.output_features)
+  if cfg.pre_norm:  # The final layer norm is applied once, by output_features.
+    assert np.abs(np.asarray(features) - np.asarray(decoder_output)).max() > 1e-2
+  block = jax.jit(
+    lambda p, x, start: model.apply({'params': p}, x, start, 7, method=Transformer.block_logits)
+  )
+  for start in (0, 11, VOCAB - 7):  # A traced start: one program for every block.
+    np.testing.assert_allclose(
+      block(params, features, start), whole[..., start : start + 7], rtol=0, atol=1e-5
+    )
+
+
 def test_each_marian_switch_changes_the_logits():
   params = _random_params(TINY)
   reference = _logits(TINY, params)

@@ -17,7 +17,7 @@ from transformer_jax.data import number_words
 from transformer_jax.data.tokenizer import EOS_ID, PAD_ID
 from transformer_jax.exporters import ctranslate2_spec
 from transformer_jax.inference import scoring
-from transformer_jax.inference.decoding import beam_decode
+from transformer_jax.inference.decoding import beam_decode, teacher_forcing_inputs
 from transformer_jax.inference.translator import Translator
 from transformer_jax.training.step import eval_step
 
@@ -105,13 +105,32 @@ def test_the_mean_nll_is_the_eval_loss_without_label_smoothing(translator):
   without_pad = scoring.jitted_target_log_probs(translator.model, translator.params, src, tgt)
   real = tgt != PAD_ID
   assert np.all(np.asarray(without_pad)[real] > np.asarray(full_vocabulary)[real])
-  # The projection's chunking is a speed choice (128-row chunks on the CPU, all rows at once on
-  # accelerators): one chunk, and chunks of 7 rows (the last one padded), give the same values.
-  for rows_per_chunk in (tgt.size, 7):
+  # The projection's chunks of positions and blocks of the vocabulary are a speed choice: one
+  # chunk and one block (the whole logits, as on accelerators), chunks of 7 rows (the last one
+  # padded), and blocks of 1 (PAD's own block wholly masked), of 5 (the vocabulary 256 is no
+  # multiple: the last block overlaps the one before) and of 64 give the same values.
+  vocab = translator.model_config.vocab_size
+  for rows_per_chunk, block in ((tgt.size, vocab), (7, 5), (tgt.size, 1), (9, 64)):
     chunked = scoring.jitted_target_log_probs(
-      translator.model, translator.params, src, tgt, rows_per_chunk=rows_per_chunk
+      translator.model,
+      translator.params,
+      src,
+      tgt,
+      rows_per_chunk=rows_per_chunk,
+      vocabulary_block=block,
     )
     np.testing.assert_allclose(chunked, without_pad, rtol=0, atol=1e-5)
+  # And the whole logits' log-softmax, computed here directly, agrees with all of them.
+  logits = translator.model.apply(
+    {'params': translator.params}, src, teacher_forcing_inputs(tgt)
+  )  # [b, t, v]
+  logits = np.where(np.arange(vocab) == PAD_ID, -np.inf, np.asarray(logits, np.float64))
+  direct = (
+    np.take_along_axis(logits, np.asarray(tgt)[..., None], -1)[..., 0]
+    - np.log(np.sum(np.exp(logits - logits.max(-1, keepdims=True)), -1))
+    - logits.max(-1)
+  )
+  np.testing.assert_allclose(np.where(real, direct, 0.0), without_pad, rtol=0, atol=1e-5)
 
 
 @pytest.fixture(scope='module')

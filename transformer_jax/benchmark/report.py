@@ -76,7 +76,7 @@ _TOOLKIT_VARIANTS = {
   'greedy': 'translate(beam_size=1)',
   'score': 'score(sources, greedy outputs)',
   'score_program': "score's program alone (padded batches)",
-  'score_program_where_mask': 'prototype: PAD mask by where, one log-sum-exp',
+  'score_program_where_mask': 'whole logits: PAD mask by where, one log-sum-exp',
   'ctranslate2_score_1_thread': 'CTranslate2 score_batch, 1 thread',
   'ctranslate2_score_threads': 'CTranslate2 score_batch, {threads} threads',
   'sampling': 'hypotheses(sampling=True)',

@@ -11,9 +11,11 @@ API that users call (text in, text out), beside the searches it is measured agai
 
 Two more scoring rows time the compiled programs alone on the padded batches, without the
 host's work: `score_program`, the one `Translator.score` runs (`target_log_probs`), and
-`score_program_where_mask`, a prototype that projects all rows at once and reduces them with one
-log-sum-exp (the same values; on an H200 it showed that the CPU's chunked projection and a
-scattered PAD mask cost the GPU 1.6x, since changed: bench/README.md). With the
+`score_program_where_mask`, which projects all rows onto the whole vocabulary at once and
+reduces the [rows, v] logits with one log-sum-exp (the same values). It was the prototype that
+showed, on an H200, what the CPU's 128-row chunks and a scattered PAD mask cost a GPU (1.6x);
+now it shows what the CPU's vocabulary blocks (`target_log_probs`) gain over the whole logits
+(bench/README.md). With the
 size's forward FLOPs (`flops.training_flops` / 3, padded lengths) and the run's peak they show
 how close scoring and greedy come to the machine: both do one forward pass of work per pair.
 
@@ -115,8 +117,8 @@ def _capped_model(cfg: TransformerConfig, params, max_len: int):
 
 @functools.partial(jax.jit, static_argnames=('model',))
 def _where_mask_log_probs(model, params, src, tgt):
-  """target_log_probs' values [b, t] with PAD excluded by a `where` and one log-sum-exp (the
-  prototype `score_program_where_mask` times)."""
+  """target_log_probs' values [b, t] from the whole logits [b, t, v], PAD excluded by a `where`,
+  one log-sum-exp (`score_program_where_mask`)."""
   logits = model.apply({'params': params}, src, teacher_forcing_inputs(tgt)).astype(jnp.float32)
   logits = jnp.where(jnp.arange(logits.shape[-1]) == PAD_ID, -jnp.inf, logits)  # [b, t, v]
   picked = jnp.take_along_axis(logits, tgt[..., None], axis=-1)[..., 0]

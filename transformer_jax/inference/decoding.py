@@ -14,7 +14,6 @@ from transformer_jax.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
 from transformer_jax.model.cache import extend_cache, reorder_beams, unstack_decoder_layers
 from transformer_jax.model.transformer import Transformer
 from transformer_jax.search import decode, sampling
-from transformer_jax.search.candidates import mask_pad
 
 
 def init_cache(
@@ -248,39 +247,71 @@ def target_log_probs(
   *,
   exclude_pad: bool = True,
   rows_per_chunk: int | None = None,
+  vocabulary_block: int | None = None,
 ) -> jax.Array:
   """log P of each target token given the source and the tokens before it: float32 [b, t].
 
   src_ids [b, s]: source pieces + EOS, then PAD; tgt_ids [b, t]: target pieces + EOS, then
   PAD. Teacher forcing: the decoder reads BOS + target and predicts target + EOS, in one
   forward pass. PAD positions get 0. `exclude_pad`: see the module docstring.
-  `rows_per_chunk`: target positions projected at once (None: the backend's choice, below).
+
+  Each target position needs its token's logit and the log-sum-exp of its logits, never the
+  logits themselves: the output projection runs `vocabulary_block` entries at a time, each
+  block folded into a running maximum and sum (the log-sum-exp taken online) and dropped, so
+  the [b * t, v] logits are never stored. `rows_per_chunk` bounds the positions projected at
+  once. None: the backend's choice (`_scoring_blocks`). Every choice gives the same values up
+  to float rounding (tests/score_test.py).
   """
   variables = {'params': params}
   encoded = model.apply(variables, src_ids, method=Transformer.encode)
   features = model.apply(
     variables, encoded, src_ids, teacher_forcing_inputs(tgt_ids), method=Transformer.decode_features
   )  # [b, t, m]
+  features = model.apply(variables, features, method=Transformer.output_features)
   b, t, m = features.shape
-  # On the CPU the output projection and its log-sum-exp run one chunk of rows at a time:
-  # [b * t, v] logits at once (113 MB at 32 x 24 x 37,000) go to memory and back for each
-  # reduction, a chunk's stay in the cache: 297 -> 231 ms for this part at that shape. On an
-  # accelerator the loop of small products leaves the device idle between them: one chunk
-  # (bench/README.md, issue 27).
-  if rows_per_chunk is None:
-    rows_per_chunk = _SCORED_ROWS_PER_CHUNK if jax.default_backend() == 'cpu' else b * t
+  vocab = model.config.vocab_size
+  rows_per_chunk, vocabulary_block = _scoring_blocks(b * t, vocab, rows_per_chunk, vocabulary_block)
   chunks = -(-b * t // rows_per_chunk)
   rows = chunks * rows_per_chunk
   features = jnp.pad(features.reshape(b * t, m), ((0, rows - b * t), (0, 0)))
   targets = jnp.pad(tgt_ids.reshape(b * t), (0, rows - b * t))
+  blocks = -(-vocab // vocabulary_block)
 
   def log_probs_of_chunk(chunk):  # ([rows, m], [rows]) -> [rows]
     chunk_features, chunk_targets = chunk
-    logits = model.apply(variables, chunk_features, method=Transformer.output_logits)
-    if exclude_pad:
-      logits = mask_pad(logits, PAD_ID)
-    picked = jnp.take_along_axis(logits, chunk_targets[:, None], axis=-1)[:, 0]
-    return picked - jax.nn.logsumexp(logits, axis=-1)
+
+    def add_block(carry, index):
+      running_max, running_sum, picked = carry  # each [rows]
+      # The last block ends at the vocabulary's end; the entries it shares with the block
+      # before are masked, so each entry is counted once and no table is padded.
+      first = index * vocabulary_block
+      start = jnp.minimum(first, vocab - vocabulary_block)
+      logits = model.apply(
+        variables, chunk_features, start, vocabulary_block, method=Transformer.block_logits
+      )  # [rows, block]
+      ids = start + jnp.arange(vocabulary_block)
+      excluded = ids < first
+      if exclude_pad:
+        excluded = excluded | (ids == PAD_ID)
+      logits = jnp.where(excluded, -jnp.inf, logits)
+      new_max = jnp.maximum(running_max, jnp.max(logits, axis=-1))
+      running_sum = running_sum * jnp.exp(running_max - new_max) + jnp.sum(
+        jnp.exp(logits - new_max[:, None]), axis=-1
+      )
+      offset = jnp.clip(chunk_targets - start, 0, vocabulary_block - 1)
+      in_block = chunk_targets >= first
+      picked = jnp.where(
+        in_block, jnp.take_along_axis(logits, offset[:, None], axis=-1)[:, 0], picked
+      )
+      return (new_max, running_sum, picked), None
+
+    # A finite lowest maximum: a block with every entry masked leaves the sum at 0, not NaN.
+    lowest = jnp.full(chunk_targets.shape, jnp.finfo(jnp.float32).min)
+    zeros = jnp.zeros(chunk_targets.shape, jnp.float32)
+    (maximum, total, picked), _ = jax.lax.scan(
+      add_block, (lowest, zeros, zeros), jnp.arange(blocks)
+    )
+    return picked - (maximum + jnp.log(total))
 
   log_probs = jax.lax.map(
     log_probs_of_chunk,
@@ -292,9 +323,26 @@ def target_log_probs(
   return jnp.where(tgt_ids == PAD_ID, 0.0, log_probs.reshape(b, t))
 
 
-# Rows of decoder output projected at once when scoring (target_log_probs): 96-192 measured
-# fastest at [768, 512] x [512, 37000] on the 2-core CPU.
-_SCORED_ROWS_PER_CHUNK = 128
+# Scoring's blocks on the CPU (target_log_probs), from a grid measured on the 2-core CPU at the
+# base model (bench/README.md, issue 27): up to 2,048 positions at once, in equal chunks, and
+# 512 vocabulary entries per block: a [rows, 512] block of logits stays in the cache while it
+# is reduced. 768 positions x 37,000 entries: 207 ms with whole-vocabulary chunks of 128 rows,
+# 156 ms so.
+_CPU_SCORED_ROWS = 2048
+_CPU_VOCABULARY_BLOCK = 512
+
+
+def _scoring_blocks(positions: int, vocab: int, rows_per_chunk, vocabulary_block):
+  """(rows per chunk, vocabulary entries per block) for target_log_probs: those given, else
+  the backend's. On an accelerator, one chunk and one block: a loop of small products would
+  leave the device idle between them (bench/README.md, issue 27)."""
+  cpu = jax.default_backend() == 'cpu'
+  if rows_per_chunk is None:
+    chunks = -(-positions // _CPU_SCORED_ROWS) if cpu else 1
+    rows_per_chunk = -(-positions // chunks)
+  if vocabulary_block is None:
+    vocabulary_block = _CPU_VOCABULARY_BLOCK if cpu else vocab
+  return rows_per_chunk, min(vocabulary_block, vocab)
 
 
 def teacher_forcing_inputs(tgt_ids: jax.Array) -> jax.Array:
@@ -302,12 +350,6 @@ def teacher_forcing_inputs(tgt_ids: jax.Array) -> jax.Array:
   decoder_inputs = jnp.concatenate([jnp.full_like(tgt_ids[:, :1], BOS_ID), tgt_ids[:, :-1]], 1)
   # Padding reads as padding (the shifted EOS would do too: causal attention never reaches it).
   return jnp.where(tgt_ids == PAD_ID, PAD_ID, decoder_inputs)
-
-
-def picked_log_probs(log_probs: jax.Array, tgt_ids: jax.Array) -> jax.Array:
-  """log_probs [b, t, v] at tgt_ids [b, t] -> [b, t], 0 at PAD."""
-  picked = jnp.take_along_axis(log_probs, tgt_ids[..., None], axis=-1)[..., 0]
-  return jnp.where(tgt_ids == PAD_ID, 0.0, picked)
 
 
 # Source lengths are padded to powers of two from this one (source_bucket).

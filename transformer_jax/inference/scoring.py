@@ -39,7 +39,8 @@ from transformer_jax.inference.translator import Translator, check_decoding_opti
 BATCHES_IN_FLIGHT = 4
 
 jitted_target_log_probs = jax.jit(
-  target_log_probs, static_argnames=('model', 'exclude_pad', 'rows_per_chunk')
+  target_log_probs,
+  static_argnames=('model', 'exclude_pad', 'rows_per_chunk', 'vocabulary_block'),
 )
 
 

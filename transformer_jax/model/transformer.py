@@ -186,8 +186,8 @@ class Transformer(nn.Module):
     tgt_positions=None,
   ):
     """`decode` without the cache and without the output projection: the decoder stack's
-    output [b, t, m], which `output_logits` turns into logits [b, t, v] (scoring projects it in
-    chunks of rows: `inference.decoding.target_log_probs`)."""
+    output [b, t, m], which `output_logits` turns into logits [b, t, v] (scoring projects it one
+    block of the vocabulary at a time, `block_logits`: `inference.decoding.target_log_probs`)."""
     packed = _check_segments(src_segment_ids, tgt_segment_ids)
     self._check_length(tgt_in_ids, 'target')
     cross_mask = padding_mask(tgt_in_ids, src_ids)
@@ -209,14 +209,40 @@ class Transformer(nn.Module):
 
   def output_logits(self, x):
     """Decoder output [..., m] (`decode_features`) -> float32 logits [..., v]."""
-    if self.config.pre_norm:
-      x = self.decoder_norm(x)
+    x = self.output_features(x)
     if self.config.share_embeddings:
       logits = self.output_embedding.attend(x)
     else:
       logits = self.output_projection(x)
     logits = logits.astype(jnp.float32)
     return logits + self.logits_bias if self.config.logits_bias else logits
+
+  def output_features(self, x):
+    """Decoder output [..., m] -> what the output projection reads: the final layer norm under
+    pre-LN, else x unchanged (`block_logits` takes these, normalised once for every block)."""
+    return self.decoder_norm(x) if self.config.pre_norm else x
+
+  def block_logits(self, features, start, size: int):
+    """`output_logits` of the vocabulary entries start .. start + size - 1 only: float32
+    [..., size], from `output_features`' output [..., m]. `start` may be traced; start + size
+    must not pass vocab_size (`lax.dynamic_slice` would move the block back to fit). Scoring
+    reduces the vocabulary one block at a time (`inference.decoding.target_log_probs`)."""
+    cfg = self.config
+    params = nn.meta.unbox(self.variables['params'])
+    if cfg.share_embeddings:
+      # The rows of the [v, m] table, as `nn.Embed.attend` reads the whole table.
+      table = jax.lax.dynamic_slice_in_dim(params['shared_embedding']['embedding'], start, size)
+      logits = jnp.dot(features.astype(cfg.compute_dtype), table.astype(cfg.compute_dtype).T)
+    else:
+      kernel = params['output_projection']['kernel']  # [m, v]
+      kernel = jax.lax.dynamic_slice_in_dim(kernel, start, size, axis=1)
+      logits = Projection(
+        (size,), 1, ('embed', 'vocab'), cfg.compute_dtype, use_bias=False, parent=None
+      ).apply({'params': {'kernel': kernel}}, features)
+    logits = logits.astype(jnp.float32)
+    if cfg.logits_bias:
+      logits = logits + jax.lax.dynamic_slice_in_dim(params['logits_bias'], start, size)
+    return logits
 
   def create_cache(self, encoded, *, max_decode_len: int, beam_size: int = 1):
     """Creates cached decoding's state (call with mutable=['cache']; layout: `model.cache`)
