@@ -446,8 +446,25 @@ def test_toolkit_rows_time_every_variant_on_full_length_outputs():
   assert score['fraction_of_peak'] == pytest.approx(
     2 * per_batch / np.median(score['seconds_each_round']) / 2e11
   )
+  # Scoring and cached greedy do the same FLOPs per pair: the most scoring / greedy can reach
+  # is greedy's distance from the peak.
+  greedy = row['variants']['greedy']
+  for name in ('score_vs_greedy', 'score_program_vs_greedy'):
+    assert row['ratios'][name]['ceiling'] == pytest.approx(1 / greedy['fraction_of_peak'])
+  assert 'ceiling' not in row['ratios']['nbest_vs_beam']
   table = toolkit_table([row])
   assert 'score_vs_greedy' in table and 'CTranslate2 score_batch, 1 thread' in table, table
+  score_line = next(line for line in table.splitlines() if ' score_vs_greedy ' in line)
+  assert f'{1 / greedy["fraction_of_peak"]:.2f}x' in score_line, score_line
+  # A target over the ceiling says so; one under it, or no ceiling, is a plain no.
+  over = {**row['ratios']['score_vs_greedy'], 'median': 0.5, 'ceiling': 2.0, 'target': 3.0}
+  under = {**over, 'ceiling': 4.0}
+  for ratios, expected in (
+    ({'score_vs_greedy': over}, 'no: over the ceiling'),
+    ({'score_vs_greedy': under}, ' no'),
+  ):
+    line = toolkit_table([{**row, 'ratios': ratios}]).splitlines()[-1]
+    assert line.endswith(expected), line
 
   src = np.array([[5, 6, 7, 1, 0, 0, 0, 0]], np.int32)
   tgt = np.array([[8, 9, 1, 0, 0, 0, 0, 0]], np.int32)

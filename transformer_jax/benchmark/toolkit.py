@@ -280,6 +280,12 @@ def benchmark_toolkit(
     figures['model_flops_per_second'] = forward_flops / np.median(figures['seconds_each_round'])
     if peak_flops:
       figures['fraction_of_peak'] = figures['model_flops_per_second'] / peak_flops
+  if peak_flops:
+    # Cached greedy decoding does the forward pass's FLOPs per pair too, one target position
+    # per step, so scoring, however fast, can run at most 1 / (greedy's fraction of the peak)
+    # times greedy's sentences/s: the most the ratio can reach on this machine.
+    for ratio in ('score_vs_greedy', 'score_program_vs_greedy'):
+      row['ratios'][ratio]['ceiling'] = 1.0 / row['variants']['greedy']['fraction_of_peak']
   if row['ctranslate2']:
     row['ctranslate2']['max_sentence_log_prob_difference'] = agreement
   row.update(
