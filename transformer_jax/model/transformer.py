@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from transformer_jax.model import cache as model_cache
+from transformer_jax.model import matmul
 from transformer_jax.model.config import TransformerConfig
 from transformer_jax.model.inputs import (
   causal_padding_mask,
@@ -229,16 +230,16 @@ class Transformer(nn.Module):
     reduces the vocabulary one block at a time (`inference.decoding.target_log_probs`)."""
     cfg = self.config
     params = nn.meta.unbox(self.variables['params'])
+    features = features.astype(cfg.compute_dtype)
     if cfg.share_embeddings:
-      # The rows of the [v, m] table, as `nn.Embed.attend` reads the whole table.
+      # Rows of the [v, m] table, as `nn.Embed.attend` reads the whole table.
       table = jax.lax.dynamic_slice_in_dim(params['shared_embedding']['embedding'], start, size)
-      logits = jnp.dot(features.astype(cfg.compute_dtype), table.astype(cfg.compute_dtype).T)
+      logits = jnp.dot(features, table.astype(cfg.compute_dtype).T)
     else:
-      kernel = params['output_projection']['kernel']  # [m, v]
+      # Columns of the [m, v] kernel, as the `Projection` reads the whole kernel.
+      kernel = params['output_projection']['kernel']
       kernel = jax.lax.dynamic_slice_in_dim(kernel, start, size, axis=1)
-      logits = Projection(
-        (size,), 1, ('embed', 'vocab'), cfg.compute_dtype, use_bias=False, parent=None
-      ).apply({'params': {'kernel': kernel}}, features)
+      logits = matmul.project(features, kernel.astype(cfg.compute_dtype), 1)
     logits = logits.astype(jnp.float32)
     if cfg.logits_bias:
       logits = logits + jax.lax.dynamic_slice_in_dim(params['logits_bias'], start, size)
