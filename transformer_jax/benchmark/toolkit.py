@@ -15,9 +15,10 @@ host's work: `score_program`, the one `Translator.score` runs (`target_log_probs
 reduces the [rows, v] logits with one log-sum-exp (the same values). It was the prototype that
 showed, on an H200, what the CPU's 128-row chunks and a scattered PAD mask cost a GPU (1.6x);
 now it shows what the CPU's vocabulary blocks (`target_log_probs`) gain over the whole logits
-(bench/README.md). With the
-size's forward FLOPs (`flops.training_flops` / 3, padded lengths) and the run's peak they show
-how close scoring and greedy come to the machine: both do one forward pass of work per pair.
+(bench/README.md). With the size's forward FLOPs (`flops.training_flops` / 3, padded lengths)
+and the run's peak they show how close scoring and greedy come to the machine: both do one
+forward pass of work per pair, so greedy's distance from the peak bounds scoring / greedy (the
+ratios' `ceiling`).
 
 The model is the decoding rows' one: untrained, EOS suppressed (`decoding.suppress_eos`), with
 max_len set to max(source length, decode length), so that every search runs to the length cap
