@@ -3,7 +3,8 @@
 - the top level holds the commands (`python -m transformer_jax.X`), `cli` (their shared flags)
   and one subpackage per concern; libraries never import commands, only commands and `cli`
   touch flags, and commands are thin;
-- arrows between subpackages that must never exist (`NEVER`), and no cycle among them;
+- arrows between subpackages that must never exist (`NEVER`), and no cycle among them, nor
+  among the modules themselves (lazy imports count);
 - one module imports orbax, batching never imports JAX, the StableHLO runner runs without us;
 - the workdir's on-disk names live in `workdir/layout.py` alone; no module outgrows 600 lines;
 - bench/ scripts never reach into tests/.
@@ -354,6 +355,62 @@ def test_the_cycle_check_can_fail():
     ['checkpoints', 'workdir', 'checkpoints'],
     ['workdir', 'checkpoints', 'workdir'],
   )
+
+
+@functools.cache
+def _package_imports(path: pathlib.Path) -> frozenset[str]:
+  """The package's modules `path` imports, at any depth (lazy imports count), as Python loads
+  them: `from package import module` imports that module, not the package's face (a name that
+  is no module, `from transformer_jax.inference import Translator`, does import the face)."""
+  names = set()
+  for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    if isinstance(node, ast.Import):
+      names.update(alias.name for alias in node.names)
+    elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+      submodules = {f'{node.module}.{alias.name}' for alias in node.names}
+      names.update(submodules & set(MODULES))
+      if submodules - set(MODULES):
+        names.add(node.module)
+  return frozenset(name for name in names if name in MODULES)
+
+
+def _module_graph() -> dict[str, set[str]]:
+  return {
+    name: set(_package_imports(path)) - {name}
+    for name, path in MODULES.items()
+    if name not in COMMANDS
+  }
+
+
+def test_the_modules_import_each_other_without_a_cycle():
+  # A cycle hidden by a lazy import (translator <-> scoring once) still ties the modules into
+  # one: neither can be read, tested or changed alone, and the import order decides whether
+  # the program starts. Issue 49: the graph of modules is a DAG, not only that of folders.
+  assert subpackage_cycle(_module_graph()) is None
+
+
+def test_the_module_cycle_check_can_fail():
+  graph = _module_graph()
+  # translator imports alignments; the other way round (AttentionMaps once lived in
+  # translator.py, imported lazily the other way) closes a cycle.
+  graph['transformer_jax.inference.alignments'].add('transformer_jax.inference.translator')
+  cycle = subpackage_cycle(graph)
+  assert cycle and {
+    'transformer_jax.inference.alignments',
+    'transformer_jax.inference.translator',
+  } <= set(cycle), cycle
+
+
+def test_a_lazy_import_counts_for_the_module_graph(tmp_path):
+  planted = tmp_path / 'planted.py'
+  planted.write_text(
+    'def f():\n  from transformer_jax.inference import translator\n'
+    'from transformer_jax.inference import Translator\n'
+  )
+  assert _package_imports(planted) == {
+    'transformer_jax.inference.translator',
+    'transformer_jax.inference',
+  }
 
 
 BENCH = pathlib.Path(REPO_ROOT) / 'bench'

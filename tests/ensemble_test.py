@@ -175,14 +175,8 @@ def test_two_checkpoints_decode_greedily_the_argmax_of_their_mean_probabilities(
   # One step by hand: the ensemble's first step is log((p4 + p8) / 2) of the models' logits.
   @jax.jit
   def first_step(params, src):
-    step = ensemble.ensemble_step_fn(
-      [inference_ensemble.cached_step_fn(m, p, src) for m, p in zip(models, params)],
-      pad_id=PAD_ID,
-    )
-    caches = tuple(
-      inference_ensemble.init_cache(m, p, e, src, MAX_DECODE_LEN)
-      for m, p, e in zip(models, params, inference_ensemble._encode(models, params, src))
-    )
+    steps = inference_ensemble.members_steps(models, params, src)  # Uniform weights.
+    step, caches = steps.step, steps.init_cache(MAX_DECODE_LEN, 1)
     return step(jnp.full((len(src), 1), BOS_ID, jnp.int32), caches)[0]
 
   np.testing.assert_allclose(np.exp(np.asarray(first_step(params, src))), mean[:, 0], atol=1e-5)
@@ -211,8 +205,8 @@ def test_ensembles_share_programs_only_with_equal_members_and_weights(tiny_workd
     mixed.setdefault(weights, []).append(ensemble._batches)
   assert not np.allclose(own[0], own[1], atol=0.05)  # The members differ: weights matter.
   (a, c), (b,) = mixed[(1, 3)], mixed[(3, 1)]
-  assert a._token_log_probs is c._token_log_probs and a._beam is c._beam
-  assert b._token_log_probs is not a._token_log_probs and b._beam is not a._beam
+  assert a._token_log_probs is c._token_log_probs and a._search is c._search
+  assert b._token_log_probs is not a._token_log_probs and b._search is not a._search
 
 
 def test_members_of_other_sizes_and_max_len_translate_together_within_the_smallest(

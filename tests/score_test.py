@@ -16,7 +16,7 @@ from transformer_jax.common.errors import UserInputError
 from transformer_jax.data import number_words
 from transformer_jax.data.tokenizer import EOS_ID, PAD_ID
 from transformer_jax.exporters import ctranslate2_spec
-from transformer_jax.inference import scoring
+from transformer_jax.inference import scoring, text_files
 from transformer_jax.inference.decoding import beam_decode, teacher_forcing_inputs
 from transformer_jax.inference.translator import Translator
 from transformer_jax.training.step import eval_step
@@ -205,9 +205,9 @@ def test_bad_files_are_refused_before_the_model_is_loaded(tiny_workdir, tmp_path
   ]
   for (source, target), message in cases:
     with pytest.raises(UserInputError, match=message):
-      scoring.score_files(tiny_workdir, source, target, output_path=out)
+      text_files.score_files(tiny_workdir, source, target, output_path=out)
   with pytest.raises(UserInputError, match=r'^--output=.*--src='):
-    scoring.score_files(tiny_workdir, src, tgt, output_path=src)
+    text_files.score_files(tiny_workdir, src, tgt, output_path=src)
   assert not os.path.exists(out)
 
 

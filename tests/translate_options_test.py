@@ -15,7 +15,7 @@ import pytest
 
 from transformer_jax.common.errors import UserInputError
 from transformer_jax.evaluation import test_set
-from transformer_jax.inference import models, scoring, text_files
+from transformer_jax.inference import models, text_files
 from transformer_jax.inference import translator as translator_module
 from transformer_jax.inference.ensemble import Ensemble
 from transformer_jax.inference.translator import Translator
@@ -182,7 +182,7 @@ def test_score_with_a_model_twice_is_the_model_alone(workdir, tmp_path):
 
   def scores(**kwargs):
     out = io.StringIO()
-    scoring.score_files(src_path=src, tgt_path=tgt, stdout=out, per_token=True, **kwargs)
+    text_files.score_files(src_path=src, tgt_path=tgt, stdout=out, per_token=True, **kwargs)
     return [line.split('\t') for line in out.getvalue().splitlines()]
 
   alone = scores(workdir=workdir)
@@ -391,11 +391,11 @@ def _bad_cases(workdir, tmp, source):
       r'd_ff=\d+',
     ),
     (
-      lambda: scoring.score_files(workdir, source, two, output_path=out),
+      lambda: text_files.score_files(workdir, source, two, output_path=out),
       r'--src=.*sources\.en has 6 lines but --tgt=.*two\.en has 2',
     ),
     (
-      lambda: scoring.score_files(
+      lambda: text_files.score_files(
         None, two, two, models=ensemble['models'], weights='1', output_path=out
       ),
       r'--weights has 1 numbers for 2 --models entries',

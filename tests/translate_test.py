@@ -73,6 +73,7 @@ def test_the_beam_rule_reaches_the_search():
   search (random weights rarely make the rules' outputs differ: tests/decode_test.py does)."""
   from transformer_jax.data.tokenizer import EOS_ID, PAD_ID
 
+  translator_module.forget_programs()  # Counted from none (earlier Translators share them).
   translator = random_weight_translator()
   sentences = ['seven hundred one', 'three thousand forty', 'nine']
   for beam_rule in decode.BEAM_RULES:
@@ -96,7 +97,8 @@ def test_the_beam_rule_reaches_the_search():
       (best,) = decode.strip_after_eos(np.asarray(tokens)[:, 0], EOS_ID, pad_id=PAD_ID)
       expected.append(translator.tokenizer.decode(best))
     assert translator.translate(sentences, beam_size=4, beam_rule=beam_rule) == expected
-  assert translator._beam._cache_size() == len(decode.BEAM_RULES)
+  # One search program, compiled once per spec: here the two rules' (one batch shape).
+  assert translator._search._cache_size() == len(decode.BEAM_RULES)
 
 
 def test_an_unknown_beam_rule_is_a_one_line_error():
@@ -197,13 +199,12 @@ def test_repeated_batch_shapes_compile_once():
   assert bucket(first) == bucket(again) == 16 and bucket(longer) == 32
   translator.translate(first, beam_size=1)
   translator.translate(first, beam_size=2)
-  compiled = (translator._greedy._cache_size(), translator._beam._cache_size())
-  assert compiled == (1, 1)
+  assert translator._search._cache_size() == 2  # Greedy's and beam search's.
   translator.translate(again, beam_size=1)
   translator.translate(again, beam_size=2)
-  assert (translator._greedy._cache_size(), translator._beam._cache_size()) == compiled
+  assert translator._search._cache_size() == 2
   translator.translate(longer, beam_size=1)
-  assert translator._greedy._cache_size() == 2
+  assert translator._search._cache_size() == 3
 
 
 def test_translators_of_one_model_share_their_programs_and_no_other():
@@ -214,14 +215,14 @@ def test_translators_of_one_model_share_their_programs_and_no_other():
   first = random_weight_translator()
   sources = ['one', 'two hundred', 'three thousand four hundred five']
   expected = first.translate(sources, beam_size=2)
-  assert first._beam._cache_size() == 1
+  assert first._search._cache_size() == 1
   # Other parameters of the same model: the same programs, nothing compiled, its own outputs.
   params = jax.tree_util.tree_map(lambda x: x * 1.5, first.params)
   second = Translator(first.model_config, params, first.tokenizer, batch_size=first.batch_size)
-  programs = ('_greedy', '_beam', '_sample', '_token_log_probs', '_attention_apply')
+  programs = ('_search', '_token_log_probs', '_attention_apply')
   assert all(getattr(second, name) is getattr(first, name) for name in programs)
   rescaled = second.translate(sources, beam_size=2)
-  assert first._beam._cache_size() == 1
+  assert first._search._cache_size() == 1
   assert rescaled != expected  # Computed with its parameters, not the first's.
   # Another model (each config field is the model's: the frozen dataclass is the key).
   other = Translator(
@@ -234,7 +235,7 @@ def test_translators_of_one_model_share_their_programs_and_no_other():
   # After forget_programs (code patched in between), new programs.
   translator_module.forget_programs()
   again = Translator(first.model_config, first.params, first.tokenizer, batch_size=4)
-  assert again._beam is not first._beam and again.translate(sources, beam_size=2) == expected
+  assert again._search is not first._search and again.translate(sources, beam_size=2) == expected
 
 
 @pytest.mark.parametrize('beam_size', [1, 4])

@@ -14,7 +14,7 @@ source.txt scores.tsv` puts them beside the sentences, spreadsheets and pandas r
 from absl import flags
 
 from transformer_jax import cli
-from transformer_jax.inference import scoring
+from transformer_jax.inference import text_files
 
 FLAGS = flags.FLAGS
 
@@ -33,7 +33,7 @@ def _define_flags():
 
 def main(argv):
   del argv
-  scoring.score_files(
+  text_files.score_files(
     FLAGS.workdir,
     FLAGS.src,
     FLAGS.tgt,

@@ -17,7 +17,7 @@ from transformer_jax.common.errors import UserInputError
 from transformer_jax.inference import batches, scoring
 from transformer_jax.inference.decoding import EXTRA_DECODE_LENGTH
 from transformer_jax.inference.options import DecodingOptions, Hypothesis
-from transformer_jax.search.decode import length_penalty
+from transformer_jax.search.decode import host_length_penalty
 
 
 def import_ctranslate2(needed_by: str):
@@ -268,7 +268,7 @@ def _ranked(sentencepiece, rows: list, options: DecodingOptions) -> list[Hypothe
       Hypothesis(
         text=sentencepiece.decode(pieces),
         log_prob=log_prob,
-        score=log_prob / float(length_penalty(tokens, options.alpha)),
+        score=log_prob / host_length_penalty(tokens, options.alpha),
         tokens=tokens,
       )
     )

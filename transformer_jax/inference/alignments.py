@@ -26,13 +26,30 @@ one is aligned to any piece of the other.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from transformer_jax.common.errors import UserInputError, is_integer
-from transformer_jax.inference.translator import AttentionMaps
 
 EOS_PIECE = '</s>'
 WORD_START = '\u2581'  # SentencePiece's '▁', which marks a piece that begins a word.
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionMaps:
+  """Attention weights of one sentence pair, per layer and head (rows: queries, sum to 1)
+  (`Translator.attention`).
+
+  Tokens are SentencePiece pieces; each side ends with '</s>'. The decoder's query at target
+  position i reads target pieces 0..i-1 (and BOS) and predicts target piece i.
+  """
+
+  source_tokens: list[str]
+  target_tokens: list[str]
+  encoder_self: np.ndarray  # [layers, heads, source, source]
+  decoder_self: np.ndarray  # [layers, heads, target, target]
+  cross: np.ndarray  # [layers, heads, target, source]
 
 
 def default_layer(num_layers: int) -> int:

@@ -1,15 +1,14 @@
 """The host side of `Translator`'s batch loop, NumPy only: sentences encoded and checked
 (`encode_sources`, `add_prefixes`), sorted by length (`by_length`), padded into the arrays a
-search takes (`pad`), and the per-sentence PRNG keys of sampling (`sampling_keys`)."""
+search takes (`pad`, `search_inputs`), and the per-sentence PRNG keys of sampling
+(`draw_keys`, folded inside the program)."""
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
@@ -99,13 +98,20 @@ def add_prefixes(
 
 
 def set_draw_positions(jobs: list[Job], positions: Sequence[int], count: int) -> None:
-  """Keys each job's draws by positions[job.index] (non-negative integers, one per sentence)."""
+  """Keys each job's draws by positions[job.index] (integers in [0, 2^32), one per sentence)."""
   if isinstance(positions, (str, bytes)) or len(positions) != count:
     raise UserInputError(f'draw_positions must hold one integer per sentence ({count})')
   for job in jobs:
     position = positions[job.index]
-    if not isinstance(position, (int, np.integer)) or isinstance(position, bool) or position < 0:
-      raise UserInputError(f'draw_positions[{job.index}] must be an integer >= 0, got {position!r}')
+    # The keys fold in 32 bits (`draw_keys`): a larger position would be another's.
+    if (
+      not isinstance(position, (int, np.integer))
+      or isinstance(position, bool)
+      or not 0 <= position < 2**32
+    ):
+      raise UserInputError(
+        f'draw_positions[{job.index}] must be an integer in [0, 2^32), got {position!r}'
+      )
     job.position = int(position)
 
 
@@ -152,19 +158,38 @@ def pad(batch: list[Job], rows: int, max_len: int) -> Arrays:
   return Arrays(src, max_lengths, max_decode_len, prefix, prefix_lengths)
 
 
-def sampling_keys(seed: int, indices: Sequence[int], rows: int, draws: int) -> jax.Array:
-  """Typed PRNG keys [rows * draws], sentence-major: draw d of the sentence at position i of
-  the caller's list gets fold_in(fold_in(key(seed), i), d), whatever batch it is in. Padding
-  rows (beyond len(indices)) get sentence 0's keys; their draws are discarded."""
-  positions = np.zeros((rows,), np.uint32)
-  positions[: len(indices)] = indices
-  return _fold_keys(jax.random.key(seed), positions, draws=draws)
+def search_inputs(arrays: Arrays, options: DecodingOptions, positions: Sequence[int]) -> dict:
+  """The traced inputs of the Translator's search program for one padded batch, as NumPy
+  arrays (moved to the device together, in one explicit transfer): the caps and prefixes, and
+  for sampling each draw's row repeated (sentence-major), its seed, positions and draw numbers
+  (`draw_keys`) and the temperature and top_p."""
+  inputs = {'max_lengths': arrays.max_lengths}
+  if arrays.prefix is not None:
+    inputs.update(prefix=arrays.prefix, prefix_lengths=arrays.prefix_lengths)
+  if options.mode != 'sampling':
+    return inputs
+  draws = options.candidates
+  rows = len(arrays.max_lengths)
+  # Padding rows (beyond the batch) get sentence 0's keys; their draws are discarded.
+  sentence_positions = np.zeros((rows,), np.uint32)
+  sentence_positions[: len(positions)] = positions
+  repeat = lambda x: np.repeat(x, draws, axis=0)  # noqa: E731
+  inputs = {name: repeat(value) for name, value in inputs.items()}
+  inputs.update(
+    seed=np.uint32(options.seed),
+    positions=repeat(sentence_positions),
+    draws=np.tile(np.arange(draws, dtype=np.uint32), rows),
+    temperature=np.float32(options.sampling_temperature),
+    top_p=np.float32(options.sampling_topp),
+  )
+  return inputs
 
 
-@functools.partial(jax.jit, static_argnames=('draws',))
-def _fold_keys(seed_key, positions, *, draws: int):
-  def sentence_keys(position):
-    key = jax.random.fold_in(seed_key, position)
-    return jax.vmap(lambda d: jax.random.fold_in(key, d))(jnp.arange(draws))
-
-  return jax.vmap(sentence_keys)(positions).reshape(-1)  # [rows, draws] -> [rows * draws]
+def draw_keys(seed: jax.Array, positions: jax.Array, draws: jax.Array) -> jax.Array:
+  """Typed PRNG keys [rows]: row r, draw draws[r] of the sentence at position positions[r] of
+  the caller's list, gets fold_in(fold_in(key(seed), position), draw), whatever batch it is in
+  (traced: folded inside the search's program)."""
+  seed_key = jax.random.key(seed)
+  return jax.vmap(lambda p, d: jax.random.fold_in(jax.random.fold_in(seed_key, p), d))(
+    positions, draws
+  )

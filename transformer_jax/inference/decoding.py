@@ -1,8 +1,11 @@
-"""The model bound to the search: `greedy_decode` / `beam_decode` / `sample_decode` give
-`search.decode` and `search.sampling` (which never import the model) a `tokens -> logits` step
-over the model's key/value cache, and the source length buckets every decoding caller pads to
-(`source_bucket`). Each takes an optional target prefix (`search.prefix`). Teacher-forced
-log-probabilities of given targets (`target_log_probs`: scoring, greedy's scores) too."""
+"""The model bound to the search: `model_steps` gives every search of `search` (which never
+imports the model) the model's `tokens -> logits` step over its key/value cache, and
+`search_model` runs one `search.SearchSpec` over it (the Translator's programs, an ensemble's
+through `search.ensemble.ensemble_steps`). `greedy_decode` / `beam_decode` / `sample_decode` are
+the same searches by keyword (training's evaluation, the exports, benchmarks), the uncached
+ones the references the cached must match. Also the source length buckets every decoding
+caller pads to (`source_bucket`) and teacher-forced log-probabilities of given targets
+(`target_log_probs`: scoring)."""
 
 from __future__ import annotations
 
@@ -14,6 +17,9 @@ from transformer_jax.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
 from transformer_jax.model.cache import extend_cache, reorder_beams, unstack_decoder_layers
 from transformer_jax.model.transformer import Transformer
 from transformer_jax.search import decode, sampling
+from transformer_jax.search import spec as search
+from transformer_jax.search.spec import SearchInputs, SearchSpec
+from transformer_jax.search.steps import Steps
 
 
 def init_cache(
@@ -79,6 +85,33 @@ def cached_step_fn(model: Transformer, params, src_ids: jax.Array) -> decode.Ste
   return step_fn
 
 
+def model_steps(model: Transformer, params, src_ids: jax.Array) -> Steps:
+  """The model as every search takes it (`search.Steps`): the source encoded once, the cached
+  step over it (`cached_step_fn`), the cache made for b * beam rows (`init_cache`), its beams
+  reordered by their table (`reorder_beams`) and grown through `beam_cache_lengths`."""
+  encoded = model.apply({'params': params}, src_ids, method=Transformer.encode)
+  return Steps(
+    step=cached_step_fn(model, params, src_ids),
+    # Made for batch * beam rows; its keys/values are never gathered, only its beam table.
+    init_cache=lambda positions, beam_size: init_cache(
+      model, params, encoded, src_ids, positions, beam_size
+    ),
+    reorder=reorder_beams,
+    extend=extend_cache,
+    # Greedy and sampling take one length: their cache is beam_size times smaller, and growing
+    # it measured no faster, for one more compiled loop per length.
+    cache_lengths=beam_cache_lengths,
+  )
+
+
+def search_model(
+  model: Transformer, params, src_ids: jax.Array, spec: SearchSpec, inputs: SearchInputs
+) -> tuple[jax.Array, jax.Array]:
+  """The search `spec` names over `model_steps`: source ids [b, s] -> (ids [b, n,
+  max_decode_len], scores [b, n]) (`search.run`). Call under jit (spec static)."""
+  return search.run(spec, model_steps(model, params, src_ids), src_ids.shape[0], inputs)
+
+
 def greedy_decode(
   model: Transformer,
   params,
@@ -88,29 +121,20 @@ def greedy_decode(
   use_cache: bool = True,
   prefix: jax.Array | None = None,
   prefix_lengths: jax.Array | None = None,
+  max_lengths: jax.Array | None = None,
 ) -> jax.Array:
   """Greedy translation of a batch of source ids [b, s] -> output ids [b, max_decode_len].
 
   Rows end with EOS followed by padding. Call under jit (`max_decode_len`, `use_cache` static).
   prefix int32[b, P], prefix_lengths int32[b]: each row's forced first target ids, returned as
-  the start of its output (`search.prefix`).
+  the start of its output (`search.prefix`); max_lengths int32[b]: each row's cap.
   """
-  batch_size = src_ids.shape[0]
-  encoded = model.apply({'params': params}, src_ids, method=Transformer.encode)
-  forcing = dict(prefix=prefix, prefix_lengths=prefix_lengths)
+  forcing = dict(prefix=prefix, prefix_lengths=prefix_lengths, max_lengths=max_lengths)
   if use_cache:
-    # One cache length: greedy's cache is beam_size times smaller than beam search's, and
-    # growing it (`beam_cache_lengths`) measured no faster, for one more compiled loop per length.
-    return decode.greedy_search(
-      cached_step_fn(model, params, src_ids),
-      init_cache(model, params, encoded, src_ids, max_decode_len),
-      batch_size=batch_size,
-      max_decode_len=max_decode_len,
-      bos_id=BOS_ID,
-      eos_id=EOS_ID,
-      pad_id=PAD_ID,
-      **forcing,
-    )
+    spec = SearchSpec('greedy', max_decode_len, BOS_ID, EOS_ID, PAD_ID)
+    tokens, _ = search_model(model, params, src_ids, spec, SearchInputs(**forcing))
+    return tokens[:, 0]
+  encoded = model.apply({'params': params}, src_ids, method=Transformer.encode)
 
   def logits_fn(target_input_ids):
     return model.apply(
@@ -119,7 +143,7 @@ def greedy_decode(
 
   return decode.greedy_search_uncached(
     logits_fn,
-    batch_size=batch_size,
+    batch_size=src_ids.shape[0],
     max_decode_len=max_decode_len,
     bos_id=BOS_ID,
     eos_id=EOS_ID,
@@ -150,34 +174,14 @@ def beam_decode(
   prefix, prefix_lengths: as for greedy_decode; every hypothesis starts with the prefix and its
   score counts the prefix's log-probability.
   """
+  forcing = dict(prefix=prefix, prefix_lengths=prefix_lengths, max_lengths=max_lengths)
+  if use_cache:
+    spec = SearchSpec(
+      'beam', max_decode_len, BOS_ID, EOS_ID, PAD_ID, beam_size=beam_size, alpha=alpha, rule=rule
+    )
+    return search_model(model, params, src_ids, spec, SearchInputs(**forcing))
   batch_size = src_ids.shape[0]
   encoded = model.apply({'params': params}, src_ids, method=Transformer.encode)
-  common = dict(
-    batch_size=batch_size,
-    beam_size=beam_size,
-    max_decode_len=max_decode_len,
-    bos_id=BOS_ID,
-    eos_id=EOS_ID,
-    pad_id=PAD_ID,
-    alpha=alpha,
-    max_lengths=max_lengths,
-    rule=rule,
-    prefix=prefix,
-    prefix_lengths=prefix_lengths,
-  )
-  if use_cache:
-    cache_lengths = beam_cache_lengths(max_decode_len)
-    # Made for batch * beam rows; its keys/values are never gathered, only its beam table.
-    cache = init_cache(model, params, encoded, src_ids, cache_lengths[0], beam_size)
-    return decode.beam_search(
-      cached_step_fn(model, params, src_ids),
-      cache,
-      reorder_cache=reorder_beams,
-      cache_lengths=cache_lengths if len(cache_lengths) > 1 else (),
-      extend_cache=extend_cache,
-      **common,
-    )
-
   # The uncached decoder runs on batch * beam rows; the source side is the same for every beam.
   beam_encoded, beam_src = decode.expand_to_beams((encoded, src_ids), beam_size, batch_size)
 
@@ -186,7 +190,18 @@ def beam_decode(
       {'params': params}, beam_encoded, beam_src, target_input_ids, method=Transformer.decode
     )
 
-  return decode.beam_search_uncached(logits_fn, **common)
+  return decode.beam_search_uncached(
+    logits_fn,
+    batch_size=batch_size,
+    beam_size=beam_size,
+    max_decode_len=max_decode_len,
+    bos_id=BOS_ID,
+    eos_id=EOS_ID,
+    pad_id=PAD_ID,
+    alpha=alpha,
+    rule=rule,
+    **forcing,
+  )
 
 
 def check_sampling_options(temperature, top_k, top_p) -> None:
@@ -219,12 +234,9 @@ def sample_decode(
   under the model (temperature 1, unfiltered). max_lengths [b] caps each output; prefix,
   prefix_lengths as for greedy_decode. Call under jit (max_decode_len and top_k static).
   """
-  batch_size = src_ids.shape[0]
-  encoded = model.apply({'params': params}, src_ids, method=Transformer.encode)
-  return sampling.sample_search(
-    cached_step_fn(model, params, src_ids),
-    init_cache(model, params, encoded, src_ids, max_decode_len),
-    batch_size=batch_size,
+  return sampling.sample_search_steps(
+    model_steps(model, params, src_ids),
+    batch_size=src_ids.shape[0],
     max_decode_len=max_decode_len,
     bos_id=BOS_ID,
     eos_id=EOS_ID,

@@ -18,7 +18,6 @@ capped by it), so that no member reads a position it has no encoding for.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Sequence
 
 import jax
@@ -27,32 +26,22 @@ from absl import logging
 
 from transformer_jax.common.errors import UserInputError, is_number
 from transformer_jax.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
-from transformer_jax.inference.decoding import (
-  beam_cache_lengths,
-  cached_step_fn,
-  init_cache,
-  target_log_probs,
-)
+from transformer_jax.inference.decoding import model_steps, target_log_probs
 from transformer_jax.inference.translator import Translator
-from transformer_jax.model.cache import extend_cache, reorder_beams
 from transformer_jax.model.config import architecture_fields
 from transformer_jax.model.transformer import Transformer
-from transformer_jax.search import decode, sampling
-from transformer_jax.search.ensemble import (
-  ensemble_extend,
-  ensemble_reorder,
-  ensemble_step_fn,
-  mix_log_probs,
-  normalised_weights,
-)
+from transformer_jax.search import spec as search
+from transformer_jax.search.ensemble import ensemble_steps, mix_log_probs, normalised_weights
+from transformer_jax.search.spec import SearchInputs, SearchSpec
+from transformer_jax.search.steps import Steps
 from transformer_jax.workdir.layout import Workdir
 
 
-def _encode(models, params, src_ids):
-  return [
-    model.apply({'params': p}, src_ids, method=Transformer.encode)
-    for model, p in zip(models, params)
-  ]
+def members_steps(models: Sequence[Transformer], params: Sequence, src_ids, weights=None) -> Steps:
+  """The members as one `search.Steps`: each member's model steps (`decoding.model_steps`:
+  its own encoding of the source, its own cache), mixed (`search.ensemble.ensemble_steps`)."""
+  members = [model_steps(model, p, src_ids) for model, p in zip(models, params)]
+  return ensemble_steps(members, weights, pad_id=PAD_ID)
 
 
 def ensemble_greedy_decode(
@@ -67,22 +56,11 @@ def ensemble_greedy_decode(
 ) -> jax.Array:
   """`decoding.greedy_decode` for an ensemble: member m is models[m] with params[m]; source
   ids [b, s] -> output ids [b, max_decode_len]. Call under jit (`max_decode_len` static)."""
-  steps = [cached_step_fn(model, p, src_ids) for model, p in zip(models, params)]
-  caches = tuple(
-    init_cache(model, p, encoded, src_ids, max_decode_len)
-    for model, p, encoded in zip(models, params, _encode(models, params, src_ids))
-  )
-  return decode.greedy_search(
-    ensemble_step_fn(steps, weights, pad_id=PAD_ID),
-    caches,
-    batch_size=src_ids.shape[0],
-    max_decode_len=max_decode_len,
-    bos_id=BOS_ID,
-    eos_id=EOS_ID,
-    pad_id=PAD_ID,
-    prefix=prefix,
-    prefix_lengths=prefix_lengths,
-  )
+  spec = SearchSpec('greedy', max_decode_len, BOS_ID, EOS_ID, PAD_ID)
+  inputs = SearchInputs(prefix=prefix, prefix_lengths=prefix_lengths)
+  steps = members_steps(models, params, src_ids, weights)
+  tokens, _ = search.run(spec, steps, src_ids.shape[0], inputs)
+  return tokens[:, 0]
 
 
 def ensemble_beam_decode(
@@ -101,71 +79,12 @@ def ensemble_beam_decode(
 ) -> tuple[jax.Array, jax.Array]:
   """`decoding.beam_decode` (cached) for an ensemble: source ids [b, s] -> (ids [b, beam,
   max_decode_len], scores [b, beam]), scores the mixture's log-probs over the GNMT penalty."""
-  cache_lengths = beam_cache_lengths(max_decode_len)
-  steps = [cached_step_fn(model, p, src_ids) for model, p in zip(models, params)]
-  caches = tuple(
-    init_cache(model, p, encoded, src_ids, cache_lengths[0], beam_size)
-    for model, p, encoded in zip(models, params, _encode(models, params, src_ids))
+  spec = SearchSpec(
+    'beam', max_decode_len, BOS_ID, EOS_ID, PAD_ID, beam_size=beam_size, alpha=alpha, rule=rule
   )
-  return decode.beam_search(
-    ensemble_step_fn(steps, weights, pad_id=PAD_ID),
-    caches,
-    reorder_cache=ensemble_reorder([reorder_beams] * len(models)),
-    cache_lengths=cache_lengths if len(cache_lengths) > 1 else (),
-    extend_cache=ensemble_extend([extend_cache] * len(models)),
-    batch_size=src_ids.shape[0],
-    beam_size=beam_size,
-    max_decode_len=max_decode_len,
-    bos_id=BOS_ID,
-    eos_id=EOS_ID,
-    pad_id=PAD_ID,
-    alpha=alpha,
-    max_lengths=max_lengths,
-    rule=rule,
-    prefix=prefix,
-    prefix_lengths=prefix_lengths,
-  )
-
-
-def ensemble_sample_decode(
-  models: Sequence[Transformer],
-  params: Sequence,
-  src_ids: jax.Array,
-  *,
-  keys,
-  temperature=1.0,
-  top_k: int = 0,
-  top_p=1.0,
-  max_decode_len: int,
-  max_lengths: jax.Array | None = None,
-  weights: Sequence[float] | None = None,
-  prefix: jax.Array | None = None,
-  prefix_lengths: jax.Array | None = None,
-) -> tuple[jax.Array, jax.Array]:
-  """`decoding.sample_decode` for an ensemble: draws from the mixture's distribution (its
-  log-probs stand for the logits that the temperature and filters transform); log_probs are
-  the mixture's. Source ids [b, s] -> (ids [b, max_decode_len], log_probs [b])."""
-  steps = [cached_step_fn(model, p, src_ids) for model, p in zip(models, params)]
-  caches = tuple(
-    init_cache(model, p, encoded, src_ids, max_decode_len)
-    for model, p, encoded in zip(models, params, _encode(models, params, src_ids))
-  )
-  return sampling.sample_search(
-    ensemble_step_fn(steps, weights, pad_id=PAD_ID),
-    caches,
-    batch_size=src_ids.shape[0],
-    max_decode_len=max_decode_len,
-    bos_id=BOS_ID,
-    eos_id=EOS_ID,
-    pad_id=PAD_ID,
-    keys=keys,
-    temperature=temperature,
-    top_k=top_k,
-    top_p=top_p,
-    max_lengths=max_lengths,
-    prefix=prefix,
-    prefix_lengths=prefix_lengths,
-  )
+  inputs = SearchInputs(max_lengths=max_lengths, prefix=prefix, prefix_lengths=prefix_lengths)
+  steps = members_steps(models, params, src_ids, weights)
+  return search.run(spec, steps, src_ids.shape[0], inputs)
 
 
 def ensemble_target_log_probs(
@@ -241,7 +160,7 @@ def _workdir_model_config(workdir: Workdir) -> dict:
 
 class _EnsembleBatches(Translator):
   """Translator's tokenising, length bucketing, batching, ranking and detokenising, with the
-  ensemble's searches in place of one model's (`_searches`) over `self.params`, here the
+  ensemble's steps in place of one model's (`_steps`) over `self.params`, here the
   members' parameters, a tuple."""
 
   def __init__(self, translators: Sequence[Translator], weights, batch_size: int):
@@ -258,18 +177,16 @@ class _EnsembleBatches(Translator):
       first.target_tokenizer,
     )
 
-  def _searches(self) -> tuple:
-    """The members' searches in place of one model's (`Translator._searches`)."""
-    models, weights = self._models, self._weights
-    return (
-      functools.partial(ensemble_greedy_decode, models, weights=weights),
-      functools.partial(ensemble_beam_decode, models, weights=weights),
-      functools.partial(ensemble_sample_decode, models, weights=weights),
-      lambda params, src, tgt: ensemble_target_log_probs(models, params, src, tgt, weights),
-    )
+  def _steps(self, params, src) -> Steps:
+    """The mixture's steps in place of one model's (`Translator._steps`)."""
+    return members_steps(self._models, params, src, self._weights)
+
+  def _log_probs(self, params, src, tgt):
+    """The mixture's teacher-forced log-probs (`ensemble_target_log_probs`)."""
+    return ensemble_target_log_probs(self._models, params, src, tgt, self._weights)
 
   def _programs_key(self) -> tuple:
-    """What `_searches` closes over (`Translator._programs_key`): the members' models, their
+    """What `_steps` closes over (`Translator._programs_key`): the members' models, their
     weights, and the model whose max_len caps the output."""
     return (type(self).__name__, self.model, self._models, self._weights)
 
@@ -319,10 +236,11 @@ class Ensemble:
     batch_size: int = 64,
     *,
     mixed_architectures: bool = False,
+    dtype: str | None = None,
   ) -> 'Ensemble':
     """Loads each (workdir, checkpoint) pair (`Translator.from_checkpoint`; a bare workdir:
-    its default checkpoint). The vocabularies, architectures and weights are checked first,
-    before any parameters are read."""
+    its default checkpoint), each in `dtype` (`Translator`). The vocabularies, architectures
+    and weights are checked first, before any parameters are read."""
     members = [(member, None) if isinstance(member, str) else tuple(member) for member in members]
     if not members:
       raise UserInputError('an ensemble needs at least one member')
@@ -331,8 +249,11 @@ class Ensemble:
     _check_same_vocabulary(workdirs)
     if not mixed_architectures:
       check_same_architecture([(str(w), _workdir_model_config(w)) for w in workdirs])
+    # dtype only when given: tests stand a fake in for from_checkpoint.
+    given = {} if dtype is None else {'dtype': dtype}
     translators = [
-      Translator.from_checkpoint(workdir, checkpoint, batch_size) for workdir, checkpoint in members
+      Translator.from_checkpoint(workdir, checkpoint, batch_size, **given)
+      for workdir, checkpoint in members
     ]
     return cls(translators, weights, batch_size, mixed_architectures=mixed_architectures)
 

@@ -146,20 +146,24 @@ def load(
   batch_size: int = 64,
   *,
   choice: ModelChoice | None = None,
+  dtype: str | None = None,
 ):
   """A `Translator` (one workdir, or one --models entry without --weights) or an `Ensemble`
   (`Ensemble.from_checkpoints`: vocabularies compared before any parameters are read). Pass
-  `choice` (from `choose`, already checked) instead of the other arguments."""
+  `choice` (from `choose`, already checked) instead of the other arguments. dtype: the
+  inference dtype (`Translator`)."""
   from transformer_jax.inference.translator import Translator  # jax: only when loading.
 
   choice = choice or choose(workdir, models, checkpoint, weights)
   if not choice.ensemble:
     ((only, only_checkpoint),) = choice.members
-    # Positional: tests stand a fake in for from_checkpoint.
-    return Translator.from_checkpoint(only, only_checkpoint, batch_size)
+    # Positional, and dtype only when given: tests stand a fake in for from_checkpoint.
+    if dtype is None:
+      return Translator.from_checkpoint(only, only_checkpoint, batch_size)
+    return Translator.from_checkpoint(only, only_checkpoint, batch_size, dtype=dtype)
   from transformer_jax.inference.ensemble import Ensemble
 
-  return Ensemble.from_checkpoints(list(choice.members), choice.weights, batch_size)
+  return Ensemble.from_checkpoints(list(choice.members), choice.weights, batch_size, dtype=dtype)
 
 
 def decoding_translator(model):

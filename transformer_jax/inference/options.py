@@ -21,7 +21,9 @@ import dataclasses
 import math
 
 from transformer_jax.common.errors import UserInputError, is_integer, is_number
+from transformer_jax.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
 from transformer_jax.search import decode
+from transformer_jax.search.spec import SearchSpec
 
 # Candidates MBR may compare for one source: N (N - 1) chrF pairs each (`inference.mbr`).
 MAX_MBR_CANDIDATES = 256
@@ -108,6 +110,28 @@ class DecodingOptions:
       return 'sampling'
     return 'greedy' if self.beam_size == 1 else 'beam'
 
+  def spec(self, max_decode_len: int, *, scored: bool = True) -> SearchSpec:
+    """The search these options run, for a batch of that decode length: the one place where
+    the options become the search's (`search.SearchSpec`; temperature and top_p travel as
+    traced values, the spec says only whether each applies). `scored`: greedy sums its
+    outputs' log-probabilities (beam search and sampling always do)."""
+    mode = self.mode
+    sampling = mode == 'sampling'
+    return SearchSpec(
+      mode,
+      max_decode_len,
+      BOS_ID,
+      EOS_ID,
+      PAD_ID,
+      beam_size=self.beam_size if mode == 'beam' else 1,
+      alpha=float(self.alpha) if mode == 'beam' else 0.0,
+      rule=self.beam_rule if mode == 'beam' else 'exact',
+      top_k=self.sampling_topk if sampling else 0,
+      tempered=sampling and self.sampling_temperature != 1,
+      nucleus=sampling and self.sampling_topp < 1,
+      scored=scored,
+    )
+
   @property
   def candidates(self) -> int:
     """Hypotheses the search produces per source: mbr's N, else num_hypotheses (sampling's
@@ -124,12 +148,27 @@ def _positive_integer(name: str, value) -> None:
     raise UserInputError(f'{name} must be a positive integer, got {value!r}')
 
 
+# Inference dtypes: the compute dtype of every product, and of the parameters' matrices.
+DTYPES = ('float32', 'bfloat16', 'float16')
+
+
 def check_decoding_options(
-  beam_size: int = 4, alpha: float = 0.6, batch_size: int = 64, beam_rule: str = 'exact'
+  beam_size: int = 4,
+  alpha: float = 0.6,
+  batch_size: int = 64,
+  beam_rule: str = 'exact',
+  dtype: str | None = None,
 ) -> None:
   """One-line errors for impossible decoding settings, raised before any checkpoint is read."""
   DecodingOptions(beam_size=beam_size, alpha=alpha, beam_rule=beam_rule).check()
   _positive_integer('batch_size', batch_size)
+  check_dtype(dtype)
+
+
+def check_dtype(dtype: str | None) -> None:
+  """A one-line error unless dtype is None (the model's own) or one of DTYPES."""
+  if dtype is not None and dtype not in DTYPES:
+    raise UserInputError(f'dtype must be one of {", ".join(DTYPES)}, got {dtype!r}')
 
 
 @dataclasses.dataclass(frozen=True)

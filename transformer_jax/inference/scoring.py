@@ -12,25 +12,21 @@ Conventions (those of our searches and of CTranslate2's `score_batch`):
   For a trained model PAD's probability is negligible and the two agree closely.
 
 `score_pairs` (the `Translator.score` method) sorts pairs by length into batches as
-`Translator.translate` does; `score_files` is the `score` command's work.
+`Translator.translate` does; the `score` command's file handling is `text_files.score_files`.
 """
 
 from __future__ import annotations
 
-import sys
-from typing import IO, Callable, Sequence
+from typing import Callable, Sequence
 
 import jax
 import numpy as np
 from absl import logging
 
-from transformer_jax.common import paths, text_io
 from transformer_jax.common.errors import UserInputError
 from transformer_jax.common.progress import Progress
 from transformer_jax.data.tokenizer import EOS_ID, PAD_ID, Tokenizer
-from transformer_jax.inference import models as model_choice
 from transformer_jax.inference.decoding import source_bucket, target_log_probs
-from transformer_jax.inference.translator import Translator, check_decoding_options
 
 # The model is a static argument (a flax Module is a hashable dataclass of its config): one
 # compiled program per model config and batch shape.
@@ -93,7 +89,7 @@ def encode_pairs(
 
 
 def score_encoded(
-  translator: Translator,
+  translator,
   pairs: Sequence[tuple[list[int], list[int]]],
   *,
   per_token: bool = False,
@@ -120,7 +116,7 @@ def score_encoded(
   in_flight: list[tuple[list[int], jax.Array]] = []
 
   def collect(rows, log_probs) -> None:
-    log_probs = np.asarray(log_probs, np.float32)
+    log_probs = np.asarray(jax.device_get(log_probs), np.float32)  # One explicit fetch.
     for row, index in enumerate(rows):
       count = len(pairs[index][1])
       values = log_probs[row, :count]
@@ -141,6 +137,7 @@ def score_encoded(
       source_ids, target_ids = pairs[index]
       src[row, : len(source_ids)] = source_ids
       tgt[row, : len(target_ids)] = target_ids
+    src, tgt = jax.device_put((src, tgt))  # One explicit transfer per batch.
     in_flight.append((rows, translator._token_log_probs(translator.params, src, tgt)))
     if len(in_flight) > BATCHES_IN_FLIGHT:
       collect(*in_flight.pop(0))
@@ -151,7 +148,7 @@ def score_encoded(
 
 
 def score_pairs(
-  translator: Translator,
+  translator,
   sources: Sequence[str],
   targets: Sequence[str],
   *,
@@ -183,62 +180,3 @@ def format_score(result: dict) -> str:
   if 'token_log_probs' in result:
     columns.append(' '.join(f'{value:.6f}' for value in result['token_log_probs']))
   return '\t'.join(columns)
-
-
-def score_files(
-  workdir: str | None,
-  src_path: str,
-  tgt_path: str,
-  *,
-  models: str | None = None,
-  weights: str | None = None,
-  checkpoint: int | str | None = None,
-  batch_size: int = 64,
-  output_path: str | None = None,
-  per_token: bool = False,
-  stdout: IO[str] | None = None,
-) -> None:
-  """The `score` command: line N of `output_path` (or stdout) scores line N of `src_path`
-  against line N of `tgt_path` (`format_score`), under a workdir's model or an ensemble's
-  mixture (`models`, `weights`: `inference.models.choose`).
-
-  Every check a user's input can fail (unreadable or unwritable files, outputs over inputs,
-  different line counts, empty files, a target over the model's max_len, the weights) runs
-  before the parameters are restored; the output is written once, complete, or not at all.
-  """
-  check_decoding_options(batch_size=batch_size)
-  choice = model_choice.choose(workdir, models, checkpoint, weights)
-  text_io.check_readable_file(src_path, '--src')
-  text_io.check_readable_file(tgt_path, '--tgt')
-  if output_path is not None:
-    text_io.check_writable_output(output_path, '--output')
-    for folder in choice.workdirs:
-      paths.check_outputs_apart(
-        {'--output': output_path}, {'--src': src_path, '--tgt': tgt_path}, {choice.flag: folder}
-      )
-  sources = text_io.read_lines(src_path, '--src')
-  targets = text_io.read_lines(tgt_path, '--tgt')
-  for flag, path, lines in (('--src', src_path, sources), ('--tgt', tgt_path, targets)):
-    if not lines:
-      raise UserInputError(f'{flag}={path}: the file is empty; nothing to score')
-  if len(sources) != len(targets):
-    raise UserInputError(
-      f'--src={src_path} has {len(sources)} lines but --tgt={tgt_path} has {len(targets)}: '
-      'line N of each is one pair'
-    )
-  # The vocabularies and max_len (small files) before the parameters: a target too long is
-  # found before the checkpoint is read.
-  tokenizer, target_tokenizer, max_len = model_choice.vocabularies_and_max_len(choice)
-  pairs = encode_pairs(
-    sources,
-    targets,
-    tokenizer,
-    target_tokenizer,
-    max_len,
-    source_name=lambda index: f'--src={src_path} line {index + 1}',
-    target_name=lambda index: f'--tgt={tgt_path} line {index + 1}',
-  )
-  model = model_choice.load(choice=choice, batch_size=batch_size)
-  scorer = model_choice.decoding_translator(model)  # An ensemble's: the mixture's log-probs.
-  results = score_encoded(scorer, pairs, per_token=per_token, progress=True)
-  text_io.write_lines([format_score(r) for r in results], output_path, stdout or sys.stdout)

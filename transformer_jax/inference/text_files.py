@@ -1,5 +1,5 @@
 """The `translate` command's work: lines in (a file or stdin), one output line per input line
-out (a file or stdout), in order.
+out (a file or stdout), in order; and the `score` command's (`score_files`).
 
 Two output formats (`OUTPUT_FORMATS`):
 - 'text': one translation per line (an empty line for a blank one);
@@ -40,6 +40,7 @@ def translate_text(
   alignments: bool = False,
   stdin: IO[bytes] | None = None,
   stdout: IO[str] | None = None,
+  dtype: str | None = None,
   **options,
 ) -> None:
   """The `translate` command: one output line per input line, in order (see the module).
@@ -57,7 +58,7 @@ def translate_text(
   stdout = stdout or sys.stdout
   decoding = DecodingOptions(beam_size=beam_size, alpha=alpha, beam_rule=beam_rule, **options)
   decoding.check()
-  check_decoding_options(beam_size, alpha, batch_size, beam_rule)
+  check_decoding_options(beam_size, alpha, batch_size, beam_rule, dtype)
   _check_output_format(output_format, decoding, alignments)
   choice = model_choice.choose(workdir, models, checkpoint, weights)
   for path, flag in ((input_path, '--input'), (target_prefix_path, '--target_prefix_file')):
@@ -80,7 +81,7 @@ def translate_text(
   prefixes = None
   if target_prefix_path is not None:
     prefixes = _read_prefixes(target_prefix_path, input_path, lines, choice)
-  model = model_choice.load(choice=choice, batch_size=batch_size)
+  model = model_choice.load(choice=choice, batch_size=batch_size, dtype=dtype)
   settings = dict(beam_size=beam_size, alpha=alpha, **_fields(decoding))
   if interactive:
     print('Type a sentence and press Enter (Ctrl-D to quit).', file=sys.stderr)
@@ -162,3 +163,65 @@ def _outputs(
     for (row, column), (_, pharaoh) in zip(pairs, aligned):
       records[row][column]['alignment'] = pharaoh
   return [json.dumps({'hypotheses': record}, ensure_ascii=False) for record in records]
+
+
+def score_files(
+  workdir: str | None,
+  src_path: str,
+  tgt_path: str,
+  *,
+  models: str | None = None,
+  weights: str | None = None,
+  checkpoint: int | str | None = None,
+  batch_size: int = 64,
+  output_path: str | None = None,
+  per_token: bool = False,
+  stdout: IO[str] | None = None,
+  dtype: str | None = None,
+) -> None:
+  """The `score` command: line N of `output_path` (or stdout) scores line N of `src_path`
+  against line N of `tgt_path` (`format_score`), under a workdir's model or an ensemble's
+  mixture (`models`, `weights`: `inference.models.choose`).
+
+  Every check a user's input can fail (unreadable or unwritable files, outputs over inputs,
+  different line counts, empty files, a target over the model's max_len, the weights) runs
+  before the parameters are restored; the output is written once, complete, or not at all.
+  """
+  from transformer_jax.inference import scoring  # jax: only once the inputs are checked.
+
+  check_decoding_options(batch_size=batch_size, dtype=dtype)
+  choice = model_choice.choose(workdir, models, checkpoint, weights)
+  text_io.check_readable_file(src_path, '--src')
+  text_io.check_readable_file(tgt_path, '--tgt')
+  if output_path is not None:
+    text_io.check_writable_output(output_path, '--output')
+    for folder in choice.workdirs:
+      paths.check_outputs_apart(
+        {'--output': output_path}, {'--src': src_path, '--tgt': tgt_path}, {choice.flag: folder}
+      )
+  sources = text_io.read_lines(src_path, '--src')
+  targets = text_io.read_lines(tgt_path, '--tgt')
+  for flag, path, lines in (('--src', src_path, sources), ('--tgt', tgt_path, targets)):
+    if not lines:
+      raise UserInputError(f'{flag}={path}: the file is empty; nothing to score')
+  if len(sources) != len(targets):
+    raise UserInputError(
+      f'--src={src_path} has {len(sources)} lines but --tgt={tgt_path} has {len(targets)}: '
+      'line N of each is one pair'
+    )
+  # The vocabularies and max_len (small files) before the parameters: a target too long is
+  # found before the checkpoint is read.
+  tokenizer, target_tokenizer, max_len = model_choice.vocabularies_and_max_len(choice)
+  pairs = scoring.encode_pairs(
+    sources,
+    targets,
+    tokenizer,
+    target_tokenizer,
+    max_len,
+    source_name=lambda index: f'--src={src_path} line {index + 1}',
+    target_name=lambda index: f'--tgt={tgt_path} line {index + 1}',
+  )
+  model = model_choice.load(choice=choice, batch_size=batch_size, dtype=dtype)
+  scorer = model_choice.decoding_translator(model)  # An ensemble's: the mixture's log-probs.
+  results = scoring.score_encoded(scorer, pairs, per_token=per_token, progress=True)
+  text_io.write_lines([scoring.format_score(r) for r in results], output_path, stdout or sys.stdout)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import math
 import threading
 from typing import Any, Callable, NamedTuple, Sequence
@@ -21,19 +20,21 @@ from transformer_jax.checkpoints.served import restore_served_params
 from transformer_jax.common.errors import UserInputError
 from transformer_jax.common.progress import Progress
 from transformer_jax.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
-from transformer_jax.inference import batches
-from transformer_jax.inference.decoding import (
-  beam_decode,
-  greedy_decode,
-  sample_decode,
-  source_bucket,
-  target_log_probs,
+from transformer_jax.inference import alignments, batches, scoring
+from transformer_jax.inference.alignments import AttentionMaps
+from transformer_jax.inference.decoding import model_steps, source_bucket, target_log_probs
+from transformer_jax.inference.options import (
+  DecodingOptions,
+  Hypothesis,
+  check_decoding_options,
+  check_dtype,
 )
-from transformer_jax.inference.options import DecodingOptions, Hypothesis, check_decoding_options
 from transformer_jax.model.config import TransformerConfig
 from transformer_jax.model.transformer import Transformer
-from transformer_jax.search import decode
-from transformer_jax.search.decode import strip_after_eos
+from transformer_jax.search import spec as search
+from transformer_jax.search.decode import host_length_penalty, strip_after_eos
+from transformer_jax.search.spec import SearchInputs
+from transformer_jax.search.steps import Steps
 from transformer_jax.workdir.layout import Workdir
 
 __all__ = [
@@ -45,19 +46,16 @@ __all__ = [
   'forget_programs',
 ]
 
-# The searches' keyword arguments that shape their programs (`Translator._build_programs`).
-BEAM_STATIC = ('beam_size', 'alpha', 'max_decode_len', 'rule')
-# Sampling's temperature and top_p are traced (a new value compiles nothing); whether each is
-# applied at all (`tempered`, `nucleus`) is static, so that an unused filter costs nothing.
-SAMPLE_STATIC = ('top_k', 'tempered', 'nucleus', 'max_decode_len')
+# Batches dispatched ahead of the one being read back and post-processed: the host's work on
+# batch i (detokenizing, ranking, MBR) overlaps the device's on batch i + 1.
+BATCHES_IN_FLIGHT = 1
 
 
 class _Programs(NamedTuple):
   """A model's jitted programs (`Translator._jit_programs`); each takes the parameters first."""
 
-  greedy: Callable
-  beam: Callable
-  sample: Callable
+  # (params, src, inputs, *, spec) -> (tokens [rows, n, L], scores [rows, n]): every search.
+  search: Callable
   token_log_probs: Callable
   attention: Callable
 
@@ -98,21 +96,6 @@ def forget_programs() -> None:
   _SHARED_PROGRAMS.clear()
 
 
-@dataclasses.dataclass(frozen=True)
-class AttentionMaps:
-  """Attention weights of one sentence pair, per layer and head (rows: queries, sum to 1).
-
-  Tokens are SentencePiece pieces; each side ends with '</s>'. The decoder's query at target
-  position i reads target pieces 0..i-1 (and BOS) and predicts target piece i.
-  """
-
-  source_tokens: list[str]
-  target_tokens: list[str]
-  encoder_self: np.ndarray  # [layers, heads, source, source]
-  decoder_self: np.ndarray  # [layers, heads, target, target]
-  cross: np.ndarray  # [layers, heads, target, source]
-
-
 class Translator:
   """Translation with a restored model: `.translate(list_of_str) -> list_of_str` (beam search,
   or greedy with beam_size=1)."""
@@ -124,87 +107,69 @@ class Translator:
     tokenizer: Tokenizer,
     batch_size: int = 64,
     target_tokenizer: Tokenizer | None = None,
+    *,
+    dtype: str | None = None,
   ):
     """target_tokenizer: segments given targets (`attention`) where the workdir has its own
-    target segmentation (Workdir.target_vocab_file); tokenizer does everything else."""
+    target segmentation (Workdir.target_vocab_file); tokenizer does everything else. dtype:
+    the inference dtype ('float32', 'bfloat16', 'float16'; None: the model config's), the
+    compute dtype of every product and of the parameters' matrices (`cast_params`)."""
     check_decoding_options(batch_size=batch_size)
+    check_dtype(dtype)
+    if dtype is not None:
+      model_config = model_config.replace(dtype=dtype)
+      params = cast_params(params, dtype)
     self.model_config = model_config
     self.model = Transformer(model_config)
-    self.params = params
+    # On the device once, explicitly: the batch loop then moves only its batches.
+    self.params = jax.device_put(params)
     self.tokenizer = tokenizer
     self.target_tokenizer = target_tokenizer or tokenizer
     self.batch_size = batch_size
     self._build_programs()
 
-  def _searches(self) -> tuple:
-    """(greedy, beam, sample, target_log_probs): `decoding`'s functions bound to this model,
-    each taking the parameters first. An ensemble (`inference.ensemble`) returns its own, and
-    its own `_programs_key`."""
-    model = self.model
-    return (
-      functools.partial(greedy_decode, model),
-      functools.partial(beam_decode, model),
-      functools.partial(sample_decode, model),
-      functools.partial(target_log_probs, model),
-    )
+  def _steps(self, params, src) -> Steps:
+    """What every search decodes with (`search.Steps`): the model's, over `params`. An ensemble
+    (`inference.ensemble`) returns the mixture's, and its own `_programs_key`."""
+    return model_steps(self.model, params, src)
+
+  def _log_probs(self, params, src, tgt):
+    """Teacher-forced log-probs float32 [b, t] of tgt given src (`decoding.target_log_probs`)."""
+    return target_log_probs(self.model, params, src, tgt)
 
   def _programs_key(self) -> tuple:
-    """Everything `_searches` and `_attention_apply` close over (the parameters are arguments):
+    """Everything `_steps` and `_log_probs` close over (the parameters are arguments):
     Translators of equal keys share their jitted programs (`_SharedPrograms`)."""
     return (type(self).__name__, self.model)
 
   def _build_programs(self) -> None:
-    """The jitted searches every decoding mode runs (`_decode_batch`), over `_searches`, shared
-    with every Translator of the same model (`_SharedPrograms`). Shapes and the keyword
-    arguments are static: one program per batch shape and setting."""
+    """The jitted programs every decoding mode runs, shared with every Translator of the same
+    model (`_SharedPrograms`). Shapes and the spec are static: one program per batch shape
+    and search."""
     programs = _SHARED_PROGRAMS.get(self._programs_key(), self._jit_programs)
-    self._greedy, self._beam, self._sample, self._token_log_probs, self._attention_apply = programs
+    self._search, self._token_log_probs, self._attention_apply = programs
 
   def _jit_programs(self) -> _Programs:
-    greedy, beam, sample, log_probs = self._searches()
-    model = self.model
+    steps, model = self._steps, self.model
 
-    def run_sample(
-      params, src, keys, max_lengths, prefix, prefix_lengths, temperature, top_p, **static
-    ):
-      return sample(
-        params,
-        src,
+    def run_search(params, src, inputs, *, spec):
+      # Sampling's keys are folded here, inside the program: no dispatch of their own.
+      keys = None
+      if spec.mode == 'sampling':
+        keys = batches.draw_keys(inputs['seed'], inputs['positions'], inputs['draws'])
+      search_inputs = SearchInputs(
+        max_lengths=inputs['max_lengths'],
+        prefix=inputs.get('prefix'),
+        prefix_lengths=inputs.get('prefix_lengths'),
         keys=keys,
-        max_lengths=max_lengths,
-        prefix=prefix,
-        prefix_lengths=prefix_lengths,
-        top_k=static['top_k'],
-        max_decode_len=static['max_decode_len'],
-        # Each filter statically off (1) unless applied.
-        temperature=temperature if static['tempered'] else 1.0,
-        top_p=top_p if static['nucleus'] else 1.0,
+        temperature=inputs.get('temperature'),
+        top_p=inputs.get('top_p'),
       )
+      return search.run(spec, steps(params, src), src.shape[0], search_inputs)
 
     return _Programs(
-      greedy=jax.jit(
-        lambda params, src, prefix, prefix_lengths, *, max_decode_len: greedy(
-          params,
-          src,
-          max_decode_len=max_decode_len,
-          prefix=prefix,
-          prefix_lengths=prefix_lengths,
-        ),
-        static_argnames=('max_decode_len',),
-      ),
-      beam=jax.jit(
-        lambda params, src, max_lengths, prefix, prefix_lengths, **static: beam(
-          params,
-          src,
-          max_lengths=max_lengths,
-          prefix=prefix,
-          prefix_lengths=prefix_lengths,
-          **static,
-        ),
-        static_argnames=BEAM_STATIC,
-      ),
-      sample=jax.jit(run_sample, static_argnames=SAMPLE_STATIC),
-      token_log_probs=jax.jit(log_probs),
+      search=jax.jit(run_search, static_argnames=('spec',)),
+      token_log_probs=jax.jit(self._log_probs),
       attention=jax.jit(
         lambda params, src, tgt_in: model.apply(
           {'params': params}, src, tgt_in, mutable=['intermediates']
@@ -214,16 +179,22 @@ class Translator:
 
   @classmethod
   def from_checkpoint(
-    cls, workdir: str, checkpoint: int | str | None = None, batch_size: int = 64
+    cls,
+    workdir: str,
+    checkpoint: int | str | None = None,
+    batch_size: int = 64,
+    *,
+    dtype: str | None = None,
   ) -> 'Translator':
     """Loads the config, vocabulary and parameters of a workdir.
 
     checkpoint: a step number, 'averaged' (written by `python -m transformer_jax.average`),
     'best' (kept by training's config.best_checkpoint_metric), 'latest', or None: the averaged
     checkpoint if it was made from the latest training checkpoint, else the latest training
-    checkpoint, else (an imported model not fine-tuned yet) the imported parameters.
+    checkpoint, else (an imported model not fine-tuned yet) the imported parameters. dtype:
+    the inference dtype (`Translator`).
     """
-    check_decoding_options(batch_size=batch_size)
+    check_decoding_options(batch_size=batch_size, dtype=dtype)
     workdir = Workdir(workdir)
     saved = workdir.read_run_config()
     model_config = TransformerConfig.from_dict(saved['model'])
@@ -248,7 +219,7 @@ class Translator:
     params = restore_served_params(workdir, checkpoint, abstract_params)
     target_file = workdir.target_vocab_file
     target_tokenizer = Tokenizer.load(target_file) if target_file.exists() else None
-    return cls(model_config, params, tokenizer, batch_size, target_tokenizer)
+    return cls(model_config, params, tokenizer, batch_size, target_tokenizer, dtype=dtype)
 
   def translate(
     self,
@@ -326,9 +297,14 @@ class Translator:
     scored: bool,
     draw_positions: Sequence[int] | None = None,
   ) -> list[list[Hypothesis]]:
-    """The batch loop of translate and hypotheses: encode, sort by length, decode each batch
-    (`_decode_batch`), return in input order. `scored`: greedy's log-probabilities are computed
-    (by greedy as top-k 1 sampling; the other searches have them anyway)."""
+    """The batch loop of translate and hypotheses: encode, sort by length, decode each batch,
+    return in input order. `scored`: greedy sums its outputs' log-probabilities in its loop
+    (the other searches have them anyway).
+
+    Each batch is one explicit transfer to the device, one program (`_launch`) and one
+    explicit fetch back (`_finish`); everything per hypothesis (penalties, sums, ranking,
+    text) is NumPy and Python on that fetch. Batch i + 1 is dispatched before batch i is read
+    back (`BATCHES_IN_FLIGHT`), so the host's work overlaps the device's."""
     jobs = batches.encode_sources(sentences, self.tokenizer, self.model_config.max_len)
     if target_prefix is not None:
       batches.add_prefixes(jobs, target_prefix, self.target_tokenizer, len(sentences))
@@ -345,66 +321,53 @@ class Translator:
       description='translating',
       enabled=None if progress else False,
     )
-    for start in range(0, len(order), rows_per_batch):
-      batch = [jobs[i] for i in order[start : start + rows_per_batch]]
-      for job, found in zip(batch, self._decode_batch(batch, rows_per_batch, options, scored)):
+    in_flight: collections.deque = collections.deque()
+
+    def finish_oldest() -> None:
+      batch, arrays, outputs = in_flight.popleft()
+      for job, found in zip(batch, self._finish(batch, arrays, outputs, options, scored)):
         results[job.index] = found
       bar.update(len(batch))
+
+    for start in range(0, len(order), rows_per_batch):
+      batch = [jobs[i] for i in order[start : start + rows_per_batch]]
+      in_flight.append(self._launch(batch, rows_per_batch, options, scored))
+      if len(in_flight) > BATCHES_IN_FLIGHT:
+        finish_oldest()
+    while in_flight:
+      finish_oldest()
     bar.close()
     return results
 
-  def _decode_batch(
-    self, batch: list[batches.Job], rows: int, options: DecodingOptions, scored: bool
-  ) -> list[list[Hypothesis]]:
-    """The hypotheses of each source in `batch` (at most `rows`, padded to `rows`), by the
-    options' mode, ranked and cut to num_hypotheses (MBR: re-ranked by utility)."""
+  def _launch(self, batch: list[batches.Job], rows: int, options: DecodingOptions, scored: bool):
+    """Dispatches one batch's search (at most `rows` sources, padded to `rows`): its inputs
+    moved in one explicit transfer, its program run asynchronously. Returns (batch, the host
+    arrays, the program's outputs, still on the device)."""
     arrays = batches.pad(batch, rows, self.model_config.max_len)
-    forcing = (arrays.prefix, arrays.prefix_lengths)
-    log_probs = None  # [rows, candidates]
-    if options.mode == 'greedy' and not scored:
-      tokens = np.asarray(
-        self._greedy(self.params, arrays.src, *forcing, max_decode_len=arrays.max_decode_len)
-      )[:, None]  # [rows, 1, L]
-    elif options.mode == 'beam':
-      tokens, scores = self._beam(
-        self.params,
-        arrays.src,
-        arrays.max_lengths,
-        *forcing,
-        beam_size=options.beam_size,
-        alpha=float(options.alpha),
-        max_decode_len=arrays.max_decode_len,
-        rule=options.beam_rule,
-      )
-      tokens, scores = np.asarray(tokens), np.asarray(scores, np.float64)  # [rows, k, L], [rows, k]
-    else:
-      # Sampling; and greedy with its log-probabilities, as top-k 1 sampling: the argmax at every
-      # step (ties: the lower id, as argmax), caps and prefixes as greedy's, and each output's
-      # log-probability from the same loop instead of a second, teacher-forced pass.
+    spec = options.spec(arrays.max_decode_len, scored=scored)
+    inputs = batches.search_inputs(arrays, options, [job.position for job in batch])
+    src = arrays.src
+    if options.mode == 'sampling':
+      # Each draw is a row: [rows, s] -> [rows * draws, s], sentence-major.
+      src = np.repeat(src, options.candidates, axis=0)
+    src, inputs = jax.device_put((src, inputs))
+    return batch, arrays, self._search(self.params, src, inputs, spec=spec)
+
+  def _finish(
+    self, batch, arrays: batches.Arrays, outputs, options: DecodingOptions, scored: bool
+  ) -> list[list[Hypothesis]]:
+    """The hypotheses of each source of a launched batch: its outputs fetched in one explicit
+    transfer, then ranked and cut to num_hypotheses (MBR: re-ranked by utility) on the host."""
+    tokens, scores = jax.device_get(outputs)  # [rows', n, L], [rows', n]
+    if options.mode == 'sampling':
       draws = options.candidates
-      repeat = lambda x: None if x is None else np.repeat(x, draws, axis=0)  # noqa: E731
-      keys = batches.sampling_keys(options.seed, [job.position for job in batch], rows, draws)
-      greedy = options.mode == 'greedy'
-      tokens, log_probs = self._sample(
-        self.params,
-        repeat(arrays.src),
-        keys,
-        repeat(arrays.max_lengths),
-        repeat(arrays.prefix),
-        repeat(arrays.prefix_lengths),
-        np.float32(options.sampling_temperature),
-        np.float32(options.sampling_topp),
-        top_k=1 if greedy else options.sampling_topk,
-        tempered=options.sampling_temperature != 1 and not greedy,
-        nucleus=options.sampling_topp < 1 and not greedy,
-        max_decode_len=arrays.max_decode_len,
-      )
-      # [rows * draws, L] -> [rows, draws, L]: sentence-major, as repeated.
-      tokens = np.asarray(tokens).reshape(rows, draws, -1)
-      log_probs = np.asarray(log_probs, np.float64).reshape(rows, draws)
+      # [rows * draws, 1, L] -> [rows, draws, L]: sentence-major, as repeated.
+      tokens = tokens.reshape(-1, draws, tokens.shape[-1])
+      scores = scores.reshape(-1, draws)
+    scores = scores.astype(np.float64)
     found = []
     for row, job in enumerate(batch):
-      # Greedy runs to the batch's longest cap; each output keeps its own (EOS counted).
+      # Each output keeps its own cap (EOS counted).
       pieces = [
         ids[: arrays.max_lengths[row] - 1]
         for ids in strip_after_eos(tokens[row], EOS_ID, pad_id=PAD_ID)
@@ -412,13 +375,15 @@ class Translator:
       if options.mode == 'beam':
         # Slots beam search never filled score -inf; the first is always a hypothesis.
         kept = [c for c in range(len(pieces)) if c == 0 or np.isfinite(scores[row, c])]
-        penalty = [float(decode.length_penalty(len(pieces[c]) + 1, options.alpha)) for c in kept]
-        sums = [float(scores[row, c]) * p for c, p in zip(kept, penalty)]
+        sums = [
+          float(scores[row, c]) * host_length_penalty(len(pieces[c]) + 1, options.alpha)
+          for c in kept
+        ]
         pieces = [pieces[c] for c in kept]
-      elif log_probs is not None:
-        sums = [float(v) for v in log_probs[row]]
-      else:
+      elif options.mode == 'greedy' and not scored:
         sums = [math.nan]
+      else:
+        sums = [float(v) for v in scores[row]]
       found.append(self._rank(pieces, sums, options))
     return found
 
@@ -427,7 +392,7 @@ class Translator:
       Hypothesis(
         text=self.tokenizer.decode(ids),
         log_prob=total,
-        score=total / float(decode.length_penalty(len(ids) + 1, options.alpha)),
+        score=total / host_length_penalty(len(ids) + 1, options.alpha),
         tokens=len(ids) + 1,
       )
       for ids, total in zip(pieces, sums)
@@ -454,8 +419,6 @@ class Translator:
     As CTranslate2's `score_batch` scores: the EOS is scored, PAD is never a prediction. A
     target over max_len tokens (EOS counted) is a UserInputError. See `inference.scoring`.
     """
-    from transformer_jax.inference import scoring  # It imports this module.
-
     return scoring.score_pairs(self, sources, targets, per_token=per_token)
 
   def attention(
@@ -484,8 +447,9 @@ class Translator:
     src[0, : len(source_ids)] = source_ids
     decoder_inputs = np.full((1, width_tgt), PAD_ID, np.int32)  # [1, t]
     decoder_inputs[0, : len(target_ids)] = [BOS_ID] + target_ids[:-1]
+    src, decoder_inputs = jax.device_put((src, decoder_inputs))
     _, state = self._attention_apply(self.params, src, decoder_inputs)
-    weights = state['intermediates']
+    weights = jax.device_get(state['intermediates'])  # One fetch: every layer's maps.
 
     def layers_heads(module: str, name: str, queries: int, keys: int) -> np.ndarray:
       # Sown once per scanned call: [layers, batch=1, heads, queries, keys] -> drop the batch
@@ -520,8 +484,6 @@ class Translator:
     them, the given targets are aligned (and returned as the translations). A blank source or
     target aligns to ''.
     """
-    from transformer_jax.inference import alignments  # It imports this module.
-
     if isinstance(sources, (str, bytes)) or isinstance(targets, (str, bytes)):
       raise TypeError('Translator.align takes lists of sentences; pass [sentence]')
     alignments.check_layer(
@@ -546,3 +508,17 @@ class Translator:
         pairs = alignments.merge_to_words(pairs, maps.source_tokens, maps.target_tokens)
       aligned.append((target, alignments.pharaoh(pairs)))
     return aligned
+
+
+def cast_params(params, dtype: str):
+  """The parameters for inference in `dtype`: every floating matrix (kernels, embeddings) in
+  it, once, so that each product reads half the bytes; vectors (biases, layer-norm scales)
+  stay float32, as the layers compute their statistics in float32 anyway."""
+  target = jnp.dtype(dtype)
+
+  def cast(leaf):
+    if jnp.issubdtype(leaf.dtype, jnp.floating) and leaf.ndim >= 2:
+      return leaf.astype(target)
+    return leaf
+
+  return jax.tree.map(cast, params)

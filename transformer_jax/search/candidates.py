@@ -62,6 +62,7 @@ def best_extensions(
   *,
   eos_id: int,
   pad_id: int,
+  forced: tuple[jax.Array, jax.Array] | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Each sentence's `count` best one-token extensions of its beams.
 
@@ -77,6 +78,14 @@ def best_extensions(
   and only k * count candidates meet in the second: the vocabulary is read by
   two reductions (block maxima, then the log-sum-exp), never written out as
   log-probs.
+
+  forced: (in_prefix bool[b], token int32[b]) where a target prefix is active
+  (`prefix.Forcing.prefix_at`): those sentences' beams may only be extended by
+  their token, which scores its true log-probability from the same two
+  reductions (no third pass over the vocabulary); their k extensions come best
+  first (ties: lower beam), then count - k empty ones (-inf). Dead beams stay
+  dead, so beam search's first state (beam 0 alive) keeps one hypothesis
+  through the prefix instead of k copies of it.
   """
   b, k, vocab = logits.shape
   neg_inf = jnp.float32(-jnp.inf)
@@ -97,4 +106,27 @@ def best_extensions(
   candidates = jnp.where(alive == neg_inf, neg_inf, alive + logp)
   scores, index = jax.lax.top_k(candidates.reshape(b, k * per_beam), count)
   token = jnp.take_along_axis(tokens.reshape(b, k * per_beam), index, axis=1)
-  return scores, (index // per_beam).astype(jnp.int32), token.astype(jnp.int32)
+  parent = (index // per_beam).astype(jnp.int32)
+  token = token.astype(jnp.int32)
+  if forced is None:
+    return scores, parent, token
+  in_prefix, forced_token = forced
+  # [b, k, 1]: the forced token's logit of every beam, then its log-softmax as above.
+  forced_logit = jnp.take_along_axis(
+    logits, jnp.broadcast_to(forced_token[:, None, None], (b, k, 1)), axis=-1
+  )
+  forced_logp = ((forced_logit - row_max) - log_norm)[..., 0]  # [b, k]
+  forced_scores = jnp.where(alive_logp == neg_inf, neg_inf, alive_logp + forced_logp)
+  forced_scores, forced_parent = jax.lax.top_k(forced_scores, min(k, count))
+  pad = count - forced_scores.shape[1]
+  forced_scores = jnp.concatenate([forced_scores, jnp.full((b, pad), neg_inf)], axis=1)
+  forced_parent = jnp.concatenate(
+    [forced_parent.astype(jnp.int32), jnp.zeros((b, pad), jnp.int32)], axis=1
+  )
+  forced_tokens = jnp.broadcast_to(forced_token[:, None], (b, count)).astype(jnp.int32)
+  use = in_prefix[:, None]
+  return (
+    jnp.where(use, forced_scores, scores),
+    jnp.where(use, forced_parent, parent),
+    jnp.where(use, forced_tokens, token),
+  )

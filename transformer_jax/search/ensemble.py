@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from transformer_jax.search.candidates import mask_pad
-from transformer_jax.search.decode import ExtendFn, ReorderFn, StepFn
+from transformer_jax.search.steps import ExtendFn, ReorderFn, StepFn, Steps
 
 
 def normalised_weights(weights: Sequence[float] | None, count: int) -> tuple[float, ...]:
@@ -118,3 +118,23 @@ def ensemble_extend(extends: Sequence[ExtendFn]) -> ExtendFn:
     return tuple(member(cache, length) for member, cache in zip(extends, caches, strict=True))
 
   return extend
+
+
+def ensemble_steps(
+  members: Sequence[Steps], weights: Sequence[float] | None = None, *, pad_id: int | None = None
+) -> Steps:
+  """The members' `Steps` as one: the mixture's step (`ensemble_step_fn`), the tuple of their
+  caches made, reordered and grown each by its own functions. Members grow their caches
+  through the first member's lengths (they decode the same steps)."""
+  members = tuple(members)
+  first = members[0]
+  grows = all(member.extend is not None for member in members)
+  return Steps(
+    step=ensemble_step_fn([member.step for member in members], weights, pad_id=pad_id),
+    init_cache=lambda positions, beam_size: tuple(
+      member.init_cache(positions, beam_size) for member in members
+    ),
+    reorder=ensemble_reorder([member.reorder for member in members]),
+    extend=ensemble_extend([member.extend for member in members]) if grows else None,
+    cache_lengths=first.cache_lengths if grows else None,
+  )

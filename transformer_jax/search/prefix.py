@@ -2,18 +2,19 @@
 `target_prefix`: the output starts with the prefix and continues from it).
 
 prefix int32[b, P] and prefix_lengths int32[b]: at step t < prefix_lengths[i], sentence i's
-token is prefix[i, t]; later steps (and prefix[i, t] for t >= prefix_lengths[i]) are free. Every
-search applies the same mask to its logits (`force_logits`); beam search also needs the forced
-token's true log-probability in its scores, which a mask alone cannot give (a softmax over one
-allowed token is 1), hence `forced_extensions`. Like decode, it never imports the model.
+token is prefix[i, t]; later steps (and prefix[i, t] for t >= prefix_lengths[i]) are free. `Forcing`
+holds what every search forces (the prefix, then EOS at each sentence's length cap): greedy and
+sampling take its token instead of their choice; beam search scores the forced token's true
+log-probability from the reductions it makes anyway (`candidates.best_extensions`). Like
+decode, it never imports the model.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
-
-from transformer_jax.search.candidates import mask_pad
 
 
 def check_prefix(prefix, prefix_lengths, batch_size: int) -> tuple[jax.Array, jax.Array] | None:
@@ -38,6 +39,75 @@ def check_prefix(prefix, prefix_lengths, batch_size: int) -> tuple[jax.Array, ja
   return prefix, prefix_lengths
 
 
+def check_max_lengths(max_lengths, batch_size: int) -> jax.Array | None:
+  """max_lengths as int32[batch_size] (each row's most tokens, EOS counted), or None."""
+  if max_lengths is None:
+    return None
+  max_lengths = jnp.asarray(max_lengths, jnp.int32)
+  if max_lengths.shape != (batch_size,):
+    raise ValueError(f'max_lengths must have shape ({batch_size},), got {max_lengths.shape}')
+  return max_lengths
+
+
+@dataclasses.dataclass(frozen=True)
+class Forcing:
+  """What every search forces, in one place: each sentence's target prefix (its first
+  prefix_lengths[i] tokens), then EOS at its length cap (step max_lengths[i] - 1, counted after
+  the prefix: a prefix is given to be kept). Greedy and sampling take the forced token instead
+  of their choice (`at`); beam search scores the prefix's tokens (`prefix_at`) and lets only EOS
+  end a capped sentence (`capped`). Made inside the traced search, never passed to jit."""
+
+  batch_size: int
+  eos_id: int
+  prefix: jax.Array | None = None  # int32 [b, P]
+  prefix_lengths: jax.Array | None = None  # int32 [b]
+  max_lengths: jax.Array | None = None  # int32 [b]
+
+  @classmethod
+  def of(
+    cls, batch_size: int, *, eos_id: int, prefix=None, prefix_lengths=None, max_lengths=None
+  ) -> 'Forcing':
+    """Checked shapes (`check_prefix`, `check_max_lengths`); values may be traced."""
+    checked = check_prefix(prefix, prefix_lengths, batch_size)
+    prefix, prefix_lengths = checked if checked is not None else (None, None)
+    max_lengths = check_max_lengths(max_lengths, batch_size)
+    return cls(batch_size, eos_id, prefix, prefix_lengths, max_lengths)
+
+  @property
+  def has_prefix(self) -> bool:
+    return self.prefix is not None
+
+  @property
+  def forces_anything(self) -> bool:
+    return self.prefix is not None or self.max_lengths is not None
+
+  def prefix_at(self, step) -> tuple[jax.Array, jax.Array] | None:
+    """(in_prefix bool[b], its token int32[b]) at `step`, or None without a prefix."""
+    if self.prefix is None:
+      return None
+    return forced_tokens(step, self.prefix, self.prefix_lengths)
+
+  def capped(self, step) -> jax.Array | None:
+    """bool[b]: the sentences that may only end at `step` (their cap), or None without caps."""
+    if self.max_lengths is None:
+      return None
+    return step >= self.max_lengths - 1
+
+  def at(self, step) -> tuple[jax.Array, jax.Array] | None:
+    """(forced bool[b], token int32[b]): the prefix's token where one is active, else EOS where
+    the cap is reached; None where nothing is ever forced."""
+    if not self.forces_anything:
+      return None
+    forced = jnp.zeros((self.batch_size,), jnp.bool_)
+    token = jnp.full((self.batch_size,), self.eos_id, jnp.int32)
+    if self.max_lengths is not None:
+      forced = self.capped(step)
+    if self.prefix is not None:
+      in_prefix, prefix_token = self.prefix_at(step)
+      forced, token = forced | in_prefix, jnp.where(in_prefix, prefix_token, token)
+    return forced, token
+
+
 def forced_tokens(step: jax.Array, prefix: jax.Array, prefix_lengths: jax.Array):
   """(forced bool[b], token int32[b]): which sentences step `step` forces, and to what."""
   last = prefix.shape[1] - 1
@@ -56,33 +126,6 @@ def force_logits(logits: jax.Array, forced: jax.Array, token: jax.Array) -> jax.
   is_token = jnp.arange(logits.shape[-1]) == token.reshape(shape)
   one_hot = jnp.where(is_token, jnp.asarray(0.0, logits.dtype), -jnp.inf)
   return jnp.where(forced.reshape(shape), one_hot, logits)
-
-
-def forced_extensions(
-  logits: jax.Array, alive_logp: jax.Array, token: jax.Array, count: int, *, pad_id: int
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """Beam search's `count` best extensions (candidates.best_extensions' format) when every beam
-  of sentence i may only be extended by token[i].
-
-  logits [b, k, vocab], alive_logp float32[b, k] (-inf: no beam), token int32[b]. A beam's one
-  extension scores alive_logp + the token's log-softmax over the vocabulary without PAD (its
-  true log-probability, as a free step would score it); the k extensions come best first
-  (ties: lower beam), then count - k empty ones (-inf). Dead beams stay dead, so beam search's
-  initial state (beam 0 alive, the others -inf) keeps one hypothesis through the prefix instead
-  of k copies of it.
-  """
-  b, k, _ = logits.shape
-  neg_inf = jnp.float32(-jnp.inf)
-  logits = mask_pad(logits, pad_id).astype(jnp.float32)
-  token_logit = jnp.take_along_axis(logits, jnp.broadcast_to(token[:, None, None], (b, k, 1)), -1)
-  logp = token_logit[..., 0] - jax.nn.logsumexp(logits, axis=-1)  # [b, k]
-  candidates = jnp.where(alive_logp == neg_inf, neg_inf, alive_logp + logp)
-  scores, parent = jax.lax.top_k(candidates, k)
-  pad = count - k
-  scores = jnp.concatenate([scores, jnp.full((b, pad), neg_inf)], axis=1)
-  parent = jnp.concatenate([parent, jnp.zeros((b, pad), parent.dtype)], axis=1)
-  tokens = jnp.broadcast_to(token[:, None], (b, count))
-  return scores, parent.astype(jnp.int32), tokens.astype(jnp.int32)
 
 
 def ctranslate2_first_free_step(

@@ -11,21 +11,20 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer_jax.search import prefix as target_prefix
-from transformer_jax.search.candidates import mask_pad, top_k_by_blocks
-from transformer_jax.search.decode import (
-  LogitsFn,
-  StepFn,
-  _check_lengths,
-  _keep_decoding,
-  _record_token,
-  _uncached_next_logits,
+from transformer_jax.search.candidates import top_k_by_blocks
+from transformer_jax.search.prefix import Forcing
+from transformer_jax.search.steps import LogitsFn, StepFn, Steps
+from transformer_jax.search.token_loop import (
+  cached_next_logits,
+  check_lengths,
+  token_loop,
+  uncached_next_logits,
 )
 
 
@@ -243,8 +242,23 @@ def _row_keys(keys, batch_size: int) -> jax.Array:
   return keys
 
 
+def sampling_choice(keys: jax.Array, *, temperature, top_k: int, top_p):
+  """The token loop's choice for sampling: row i's draw at step t from its filtered softmax
+  (temperature, then top_k; the top_p nucleus last, in the draw itself: `_draw_from_nucleus`
+  builds no mask) with the key fold_in(keys[i], t)."""
+
+  def choose(step, logits):
+    drawn_from = filter_logits(logits, temperature=temperature, top_k=top_k)
+    step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, step)
+    if _is_one(top_p):
+      return _draw(step_keys, drawn_from)  # [b]
+    return _draw_from_nucleus(step_keys, drawn_from, top_p)
+
+  return choose
+
+
 def _sample_loop(
-  next_logits: Callable[[jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]],
+  next_logits,
   extra: Any,
   *,
   batch_size: int,
@@ -260,59 +274,29 @@ def _sample_loop(
   prefix,
   prefix_lengths,
 ) -> tuple[jax.Array, jax.Array, Any]:
-  """The sampling while_loop (decode._greedy_loop's, drawing instead of taking the argmax).
-  Returns (tokens [b, L], log_probs float32[b], extra)."""
-  _check_lengths(batch_size, max_decode_len)
+  """The token loop (`token_loop`) with a draw as its choice. Returns (tokens [b, L],
+  log_probs float32[b], extra)."""
   problem = sampling_option_problem(temperature, top_k, top_p)
   if problem:
     raise ValueError(problem)
+  check_lengths(batch_size, max_decode_len)
   keys = _row_keys(keys, batch_size)
-  forcing = target_prefix.check_prefix(prefix, prefix_lengths, batch_size)
-  if max_lengths is not None:
-    max_lengths = jnp.asarray(max_lengths, jnp.int32)
-    if max_lengths.shape != (batch_size,):
-      raise ValueError(f'max_lengths must have shape ({batch_size},), got {max_lengths.shape}')
-
-  def body(state):
-    step, token, out, finished, log_probs, extra = state
-    logits, extra = next_logits(step, token, out, extra)
-    logits = mask_pad(logits, pad_id).astype(jnp.float32)
-    # The nucleus comes last, in the draw itself (_draw_from_nucleus: no mask is built).
-    drawn_from = filter_logits(logits, temperature=temperature, top_k=top_k)
-    forced = jnp.zeros((batch_size,), jnp.bool_)
-    forced_token = jnp.full((batch_size,), eos_id, jnp.int32)
-    if max_lengths is not None:
-      forced = step >= max_lengths - 1  # at its cap a row may only end
-    if forcing is not None:
-      # The prefix comes first: the cap applies after it.
-      in_prefix, prefix_token = target_prefix.forced_tokens(step, *forcing)
-      forced, forced_token = forced | in_prefix, jnp.where(in_prefix, prefix_token, forced_token)
-    if max_lengths is not None or forcing is not None:
-      drawn_from = target_prefix.force_logits(drawn_from, forced, forced_token)
-    step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, step)
-    if _is_one(top_p):
-      chosen = _draw(step_keys, drawn_from)  # [b]
-    else:
-      chosen = _draw_from_nucleus(step_keys, drawn_from, top_p)
-    # The model's own log-probability (temperature 1, unfiltered, PAD excluded).
-    token_logp = jnp.take_along_axis(jax.nn.log_softmax(logits), chosen[:, None], axis=-1)[:, 0]
-    log_probs = log_probs + jnp.where(finished, 0.0, token_logp)
-    written, finished = _record_token(chosen, finished, eos_id=eos_id, pad_id=pad_id)
-    out = jax.lax.dynamic_update_slice_in_dim(out, written[:, None], step, axis=1)
-    return step + 1, written[:, None], out, finished, log_probs, extra
-
-  init = (
-    jnp.asarray(0, jnp.int32),  # step
-    jnp.full((batch_size, 1), bos_id, jnp.int32),  # [b, 1]
-    jnp.full((batch_size, max_decode_len), pad_id, jnp.int32),  # [b, L]
-    jnp.zeros((batch_size,), jnp.bool_),  # finished [b]
-    jnp.zeros((batch_size,), jnp.float32),  # log_probs [b]
+  # The prefix comes first: the cap applies after it (`Forcing`).
+  forcing = Forcing.of(
+    batch_size, eos_id=eos_id, prefix=prefix, prefix_lengths=prefix_lengths, max_lengths=max_lengths
+  )
+  return token_loop(
+    next_logits,
     extra,
+    sampling_choice(keys, temperature=temperature, top_k=top_k, top_p=top_p),
+    batch_size=batch_size,
+    max_decode_len=max_decode_len,
+    bos_id=bos_id,
+    eos_id=eos_id,
+    pad_id=pad_id,
+    forcing=forcing,
+    scored=True,
   )
-  _, _, out, _, log_probs, extra = jax.lax.while_loop(
-    lambda s: _keep_decoding(s[0], s[3], max_decode_len), body, init
-  )
-  return out, log_probs, extra
 
 
 def sample_search(
@@ -349,7 +333,7 @@ def sample_search(
   or filtering, not the probability of the draw.
   """
   tokens, log_probs, _ = _sample_loop(
-    lambda step, token, out, cache: step_fn(token, cache),
+    cached_next_logits(step_fn),
     cache,
     batch_size=batch_size,
     max_decode_len=max_decode_len,
@@ -386,7 +370,7 @@ def sample_search_uncached(
   """sample_search by full recomputation of the prefix each step (logits_fn as for
   decode.greedy_search_uncached): the reference the cached path must match."""
   tokens, log_probs, _ = _sample_loop(
-    _uncached_next_logits(logits_fn, bos_id),
+    uncached_next_logits(logits_fn, bos_id),
     None,
     batch_size=batch_size,
     max_decode_len=max_decode_len,
@@ -402,3 +386,8 @@ def sample_search_uncached(
     prefix_lengths=prefix_lengths,
   )
   return tokens, log_probs
+
+
+def sample_search_steps(steps: Steps, **options) -> tuple[jax.Array, jax.Array]:
+  """`sample_search` over a `Steps` (a model's or an ensemble's): its cache for one length."""
+  return sample_search(steps.step, steps.init_cache(options['max_decode_len'], 1), **options)
