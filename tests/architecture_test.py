@@ -190,6 +190,8 @@ def _string_literals(path: pathlib.Path) -> frozenset[str]:
 _ALSO_A_FLAG_VALUE = {
   'averaged': {'transformer_jax.inference.models', 'transformer_jax.checkpoints.served'},
   'hypotheses': {'transformer_jax.inference.text_files', 'transformer_jax.serving.app'},
+  # A transformers MarianMT folder's config.json (importers/hf_files.HF_CONFIG), not ours.
+  'config.json': {'transformer_jax.importers.hf_files'},
 }
 
 

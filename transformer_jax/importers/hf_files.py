@@ -40,9 +40,11 @@ _TORCH_STORAGES = {
   'BFloat16Storage': (np.uint16, 2),
   'DoubleStorage': (np.float64, 8),
 }
+# A transformers model folder's config (not our workdir's, whose names live in workdir/layout.py).
+HF_CONFIG = 'config.json'
 # The files a MarianMT checkpoint is made of (snapshot_download fetches only these).
 HUB_FILES = [
-  'config.json',
+  HF_CONFIG,
   'generation_config.json',
   'tokenizer_config.json',
   'vocab.json',

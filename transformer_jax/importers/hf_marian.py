@@ -73,7 +73,7 @@ _ATTENTION = (('q_proj', 'query'), ('k_proj', 'key'), ('v_proj', 'value'))
 def is_hf_model(model: str) -> bool:
   """A transformers folder (it has a config.json) or a Hub repo id (owner/name, no such path)."""
   if os.path.isdir(model):
-    return os.path.exists(os.path.join(model, 'config.json'))
+    return os.path.exists(os.path.join(model, hf_files.HF_CONFIG))
   return hf_files.is_repo_id(model)
 
 
@@ -344,7 +344,7 @@ def read_model(model: str, max_len: int = 512):
   """(config, params, vocabulary, origin, target vocabulary or None) of a MarianMT folder or
   Hub repo id (see the module docstring)."""
   folder = hf_files.resolve_repo(model) if hf_files.is_repo_id(model) else model
-  config_path = os.path.join(folder, 'config.json')
+  config_path = os.path.join(folder, hf_files.HF_CONFIG)
   if not os.path.exists(config_path):
     raise UserInputError(f'--model={model}: config.json is missing (not a transformers folder)')
   config = hf_files.read_json(config_path, 'config')
