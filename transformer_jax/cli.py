@@ -158,6 +158,16 @@ def define_workdir_flag(help_text: str = _WORKDIR_HELP, default: str | None = No
   absl_flags.DEFINE_string('workdir', default, help_text)
 
 
+def define_dtype_flag() -> None:
+  """--dtype: the inference dtype (`Translator`'s dtype), for the commands that decode or score."""
+  absl_flags.DEFINE_enum(
+    'dtype',
+    None,
+    ['float32', 'bfloat16', 'float16'],
+    "Inference dtype of the products and the parameters' matrices (default: the model's own).",
+  )
+
+
 def define_checkpoint_flag() -> None:
   """--checkpoint, which parameters of a workdir to use (read with `checkpoint_flag_value`)."""
   absl_flags.DEFINE_string(

@@ -23,6 +23,7 @@ def _define_flags():
   cli.define_workdir_flag('Training workdir (config.json, vocab.model, checkpoints); or --models.')
   cli.define_models_flags()
   cli.define_checkpoint_flag()
+  cli.define_dtype_flag()
   flags.DEFINE_string('src', None, 'Source sentences, one per line.')
   flags.DEFINE_string('tgt', None, 'Their translations to score, one per line (as many lines).')
   flags.DEFINE_integer('batch_size', 64, 'Pairs scored together.')
@@ -40,6 +41,7 @@ def main(argv):
     models=FLAGS.models,
     weights=FLAGS.weights,
     checkpoint=cli.checkpoint_flag_value(FLAGS.checkpoint),
+    dtype=FLAGS.dtype,
     batch_size=FLAGS.batch_size,
     output_path=FLAGS.output,
     per_token=FLAGS.per_token,

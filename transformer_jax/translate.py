@@ -22,6 +22,7 @@ def _define_flags():
   cli.define_workdir_flag('Training workdir (config.json, vocab.model, checkpoints); or --models.')
   cli.define_models_flags()
   cli.define_checkpoint_flag()
+  cli.define_dtype_flag()
   flags.DEFINE_integer('batch_size', 64, 'Sentences decoded together.')
   flags.DEFINE_integer('beam_size', 4, 'Beam size; 1 = greedy (the paper: 4).')
   flags.DEFINE_float('alpha', 0.6, 'Length penalty exponent ((5+len)/6)^alpha (the paper: 0.6).')
@@ -59,6 +60,7 @@ def main(argv):
     models=FLAGS.models,
     weights=FLAGS.weights,
     checkpoint=cli.checkpoint_flag_value(FLAGS.checkpoint),
+    dtype=FLAGS.dtype,
     batch_size=FLAGS.batch_size,
     beam_size=FLAGS.beam_size,
     alpha=FLAGS.alpha,
