@@ -34,7 +34,6 @@ from transformer_jax.search.beam import (
   beam_search_uncached,
   length_penalty,
 )
-from transformer_jax.search.prefix import Forcing
 from transformer_jax.search.steps import (
   ExtendFn,
   LogitsFn,
@@ -115,13 +114,9 @@ def greedy_search(
     bos_id=bos_id,
     eos_id=eos_id,
     pad_id=pad_id,
-    forcing=Forcing.of(
-      batch_size,
-      eos_id=eos_id,
-      prefix=prefix,
-      prefix_lengths=prefix_lengths,
-      max_lengths=max_lengths,
-    ),
+    prefix=prefix,
+    prefix_lengths=prefix_lengths,
+    max_lengths=max_lengths,
   )
   return (tokens, cache) if return_cache else tokens
 
@@ -151,13 +146,9 @@ def greedy_search_steps(
     bos_id=bos_id,
     eos_id=eos_id,
     pad_id=pad_id,
-    forcing=Forcing.of(
-      batch_size,
-      eos_id=eos_id,
-      prefix=prefix,
-      prefix_lengths=prefix_lengths,
-      max_lengths=max_lengths,
-    ),
+    prefix=prefix,
+    prefix_lengths=prefix_lengths,
+    max_lengths=max_lengths,
     scored=scored,
   )
   return tokens, log_probs
@@ -192,13 +183,9 @@ def greedy_search_uncached(
     bos_id=bos_id,
     eos_id=eos_id,
     pad_id=pad_id,
-    forcing=Forcing.of(
-      batch_size,
-      eos_id=eos_id,
-      prefix=prefix,
-      prefix_lengths=prefix_lengths,
-      max_lengths=max_lengths,
-    ),
+    prefix=prefix,
+    prefix_lengths=prefix_lengths,
+    max_lengths=max_lengths,
   )
   return tokens
 

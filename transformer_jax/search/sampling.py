@@ -18,7 +18,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from transformer_jax.search.candidates import top_k_by_blocks
-from transformer_jax.search.prefix import Forcing
 from transformer_jax.search.steps import LogitsFn, StepFn, Steps
 from transformer_jax.search.token_loop import (
   cached_next_logits,
@@ -281,10 +280,7 @@ def _sample_loop(
     raise ValueError(problem)
   check_lengths(batch_size, max_decode_len)
   keys = _row_keys(keys, batch_size)
-  # The prefix comes first: the cap applies after it (`Forcing`).
-  forcing = Forcing.of(
-    batch_size, eos_id=eos_id, prefix=prefix, prefix_lengths=prefix_lengths, max_lengths=max_lengths
-  )
+  # The prefix comes first: the cap applies after it (`prefix.Forcing`).
   return token_loop(
     next_logits,
     extra,
@@ -294,7 +290,9 @@ def _sample_loop(
     bos_id=bos_id,
     eos_id=eos_id,
     pad_id=pad_id,
-    forcing=forcing,
+    prefix=prefix,
+    prefix_lengths=prefix_lengths,
+    max_lengths=max_lengths,
     scored=True,
   )
 

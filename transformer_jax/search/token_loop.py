@@ -89,7 +89,9 @@ def token_loop(
   bos_id: int,
   eos_id: int,
   pad_id: int,
-  forcing: Forcing | None = None,
+  prefix: jax.Array | None = None,
+  prefix_lengths: jax.Array | None = None,
+  max_lengths: jax.Array | None = None,
   scored: bool = False,
 ) -> tuple[jax.Array, jax.Array | None, Any]:
   """Decodes token by token until every row has ended (or max_decode_len steps).
@@ -97,15 +99,19 @@ def token_loop(
   Returns (tokens int32[b, max_decode_len] in decode's convention, log_probs float32[b] with
   `scored` (else None), the final `extra`). A row's log-prob counts every token it wrote up to
   and including its EOS, forced ones too, each under the model's own softmax (PAD excluded).
+  prefix, prefix_lengths, max_lengths: what `Forcing` forces (the prefix, then each row's cap).
   """
   check_lengths(batch_size, max_decode_len)
+  forcing = Forcing.of(
+    batch_size, eos_id=eos_id, prefix=prefix, prefix_lengths=prefix_lengths, max_lengths=max_lengths
+  )
 
   def body(state):
     step, token, out, finished, log_probs, extra = state
     logits, extra = next_logits(step, token, out, extra)
     logits = mask_pad(logits, pad_id).astype(jnp.float32)
     chosen = choose(step, logits)  # [b]
-    forced = forcing.at(step) if forcing is not None else None
+    forced = forcing.at(step)
     if forced is not None:
       # The forced token instead of the choice: the same token a choice from logits that
       # allow only it would give, without a pass over the vocabulary to mask them.
