@@ -1,5 +1,6 @@
 """The best checkpoint by a validation metric, and early stopping (`checkpoints.best`)."""
 
+import logging
 import math
 import os
 
@@ -158,3 +159,58 @@ def test_invalid_settings_are_refused_before_any_work(tmp_path, data_dir, fields
   with pytest.raises(UserInputError, match=message):
     loop.train_and_evaluate(config, str(tmp_path / 'run'))
   assert not (tmp_path / 'run').exists()
+
+
+def test_a_nan_first_evaluation_stops_in_one_line_and_the_run_resumes(
+  tmp_path, data_dir, monkeypatch, caplog
+):
+  # Issue 51 item 3: the first judged evaluation's loss is NaN (the rest of it is real) and the
+  # patience is 1. A NaN is never the best, and counts as an evaluation without improvement:
+  # the run stops there in one log line that says no finite loss was seen (this crashed
+  # formatting the best value None, at the stop and again at every resume).
+  evaluate = loop._Run.evaluate
+  losses = {2: math.nan}
+
+  def scripted(run, params, step):
+    result = evaluate(run, params, step)
+    return dict(result, loss=losses.get(step, result['loss']))
+
+  monkeypatch.setattr(loop._Run, 'evaluate', scripted)
+  config = tiny_config(data_dir)
+  config.eval_every_steps = 2
+  config.keep_checkpoints = 1
+  config.best_checkpoint_metric = 'loss'
+  config.early_stopping_patience = 1
+  workdir = str(tmp_path / 'run')
+
+  def messages():
+    return [r.getMessage() for r in caplog.records if 'early_stopping_patience' in r.getMessage()]
+
+  with caplog.at_level(logging.INFO):
+    loop.train_and_evaluate(config, workdir)
+  assert _steps_on_disk(workdir) == [2]
+  assert messages() == [
+    'config.early_stopping_patience (1) ran out (no finite validation loss in 1 evaluation): '
+    'stopped at step 2 of 8, checkpoint saved'
+  ]
+  with pytest.raises(UserInputError, match='records no best checkpoint'):
+    Translator.from_checkpoint(workdir, 'best')
+
+  # Rerun: the patience has run out, nothing is trained, and it says so (no traceback).
+  caplog.clear()
+  with caplog.at_level(logging.INFO):
+    loop.train_and_evaluate(config, workdir)
+  assert _steps_on_disk(workdir) == [2]
+  assert messages() == [
+    'config.early_stopping_patience (1) ran out at step 2 (no finite validation loss in 1 '
+    'evaluation); nothing to train'
+  ]
+
+  # A larger patience resumes from 2: 4 is the first finite loss, so the best.
+  losses.update({4: 3.0, 6: 2.0, 8: 2.5})
+  config.early_stopping_patience = 3
+  loop.train_and_evaluate(config, workdir)
+  with Checkpointer(os.path.join(workdir, 'checkpoints'), keep=None) as checkpointer:
+    assert checkpointer.all_steps() == [6, 8]
+    record = checkpointer.read_data_state(8)['best_checkpoint']
+  assert (record['step'], record['value'], record['evaluations_since']) == (6, 2.0, 1)

@@ -63,6 +63,11 @@ class BestCheckpoint:
     return bool(self.patience) and self.evaluations_since >= self.patience
 
   def describe(self) -> str:
+    if self.value is None:
+      # Every evaluation judged so far was NaN (a NaN never becomes the best), yet the patience
+      # may run out on them: the stop and every resume after it describe the record with this.
+      count = self.evaluations_since
+      return f'no finite validation {self.metric} in {count} evaluation{"s" * (count != 1)}'
     return f'best validation {self.metric} {self.value:.4f} at step {self.step}'
 
   def to_json(self) -> dict:
