@@ -147,6 +147,21 @@ def test_a_replaced_vocabulary_is_refused_naming_it(tiny_workdir, data_dir, tmp_
   assert '\n' not in str(error.value)
 
 
+def test_another_training_split_is_refused_naming_it(tiny_workdir, data_dir, tmp_path):
+  # The data's identity names the dataset and its split sizes, not which split trains: without
+  # config.train_split among the fixed fields, a resume trained on other data in silence.
+  workdir = _copy(tiny_workdir, tmp_path)
+  before = _listing(workdir)
+  config = tiny_config(data_dir)
+  config.num_train_steps = 12
+  config.train_split = 'validation'
+  message = "resuming with changed fields (train_split: 'train' -> 'validation'); use a new"
+  with pytest.raises(UserInputError, match=re.escape(message)) as error:
+    loop.train_and_evaluate(config, workdir)
+  assert '\n' not in str(error.value)
+  assert _listing(workdir) == before
+
+
 def test_another_corpus_is_refused_naming_the_data(text_run, tmp_path):
   trained, _ = text_run
   workdir = _copy(trained, tmp_path)

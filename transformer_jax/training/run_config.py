@@ -57,6 +57,8 @@ def model_config_from(config: ml_collections.ConfigDict, vocab_size: int) -> Tra
 # keep them. Everything else (number of steps, intervals, paths, batch size) may change.
 _RESUME_FIXED_FIELDS = (
   'dataset',
+  # The data's identity names the dataset and its split sizes, not the split that trains.
+  'train_split',
   'data.src_lang',
   'data.tgt_lang',
   'vocab_size',
