@@ -62,9 +62,9 @@ VARIANTS = {
 }
 
 
-def _tokenizer_files(folder, separate_target):
+def _tokenizer_files(folder, separate_target, tags=()):
   """source.spm, target.spm (another model if separate_target) and vocab.json (Marian's joint
-  ids: the source's pieces, then the target's it lacks, then <pad>)."""
+  ids: the source's pieces, then the target's it lacks, then `tags`, then <pad>)."""
   rng = np.random.default_rng(0)
   text = [' '.join(rng.choice(WORDS, rng.integers(3, 12))) for _ in range(300)]
   pieces = marian_npz.train_sentencepiece(os.path.join(folder, 'source'), text, 80)
@@ -78,16 +78,18 @@ def _tokenizer_files(folder, separate_target):
     pieces += [p for p in target if p not in pieces]
   else:
     shutil.copy(os.path.join(folder, 'source.spm'), os.path.join(folder, 'target.spm'))
-  vocab = {p: i for i, p in enumerate(pieces + ['<pad>'])}
+  vocab = {p: i for i, p in enumerate(pieces + list(tags) + ['<pad>'])}
   with open(os.path.join(folder, 'vocab.json'), 'w') as f:
     json.dump(vocab, f)
   return len(vocab)
 
 
-def make_folder(folder, fields, saved, eos_bias, std, seed=0):
-  """A random MarianMTModel saved into `folder` as transformers saves one; returns it."""
+def make_folder(folder, fields, saved, eos_bias, std, seed=0, tags=()):
+  """A random MarianMTModel saved into `folder` as transformers saves one (vocab.json with
+  language `tags`, as multilingual OPUS-MT models have); returns it."""
   os.makedirs(folder)
-  vocab_size = _tokenizer_files(folder, fields.get('share_encoder_decoder_embeddings') is False)
+  separate = fields.get('share_encoder_decoder_embeddings') is False
+  vocab_size = _tokenizer_files(folder, separate, tags)
   config = transformers.MarianConfig(
     vocab_size=vocab_size,
     decoder_vocab_size=vocab_size,

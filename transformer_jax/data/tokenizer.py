@@ -1,10 +1,14 @@
-"""Shared source+target SentencePiece vocabulary: trained once, stored in the workdir."""
+"""Shared source+target SentencePiece vocabulary: trained once, stored in the workdir.
+
+A vocabulary imported from a transformers MarianMT model carries MarianTokenizer's rules as
+well (MARIAN_MARKER): language tags and special tokens cut out before SentencePiece."""
 
 from __future__ import annotations
 
 import hashlib
 import io
 import os
+import re
 import threading
 import time
 from typing import Iterable, Iterator, Sequence
@@ -20,6 +24,38 @@ PAD_ID, EOS_ID, BOS_ID, UNK_ID = 0, 1, 2, 3
 MODEL_TYPES = ('bpe', 'unigram', 'word', 'char')  # SentencePiece's.
 # SentencePiece's sampling seed is process-wide: one seeded segmentation at a time.
 _SAMPLING_LOCK = threading.Lock()
+# A vocabulary imported from a transformers MarianMT model segments text as MarianTokenizer does
+# (`_marian_segments`), which SentencePiece alone cannot express. The rule travels inside the
+# model bytes, so every reader of the workdir's vocabulary (training, translating, serving,
+# ensembles comparing hashes, token caches keyed by `fingerprint`) gets it: a length-delimited
+# field of ModelProto's range for third-party extensions (200 and up), which SentencePiece parses
+# as unknown, ignores and writes back last. Any other vocabulary lacks it and is read as before.
+_MARIAN_FIELD = 20050
+_MARIAN_PAYLOAD = b'transformer_jax: MarianTokenizer segmentation (>>tag<< prefixes, specials)'
+
+
+def _varint(value: int) -> bytes:
+  """Protobuf's base-128 varint: 7 bits a byte, low first, the high bit saying more follow."""
+  out = bytearray()
+  while value > 0x7F:
+    out.append(value & 0x7F | 0x80)
+    value >>= 7
+  return bytes(out + bytes([value]))
+
+
+# Field key (number, wire type 2: length-delimited), length, payload.
+MARIAN_MARKER = _varint(_MARIAN_FIELD << 3 | 2) + _varint(len(_MARIAN_PAYLOAD)) + _MARIAN_PAYLOAD
+# MarianTokenizer's special tokens: its added-token trie cuts them out of the text wherever they
+# stand (none is a prefix of another, so an alternation finds what the trie finds). The ids are
+# then MarianTokenizer's; a <pad> inside a text is padding to our model, though, where
+# MarianMTModel attends to it.
+_MARIAN_SPECIALS = {'</s>': EOS_ID, '<unk>': UNK_ID, '<pad>': PAD_ID}
+_MARIAN_SPLIT = re.compile('(' + '|'.join(map(re.escape, _MARIAN_SPECIALS)) + ')')
+
+
+def with_marian_rules(model_proto: bytes) -> bytes:
+  """`model_proto` marked to segment text as transformers' MarianTokenizer (`Tokenizer`)."""
+  return model_proto if model_proto.endswith(MARIAN_MARKER) else model_proto + MARIAN_MARKER
 
 
 class Tokenizer:
@@ -43,6 +79,8 @@ class Tokenizer:
         f'{path}: vocabulary has special ids pad/eos/bos/unk={ids}, '
         f'expected {(PAD_ID, EOS_ID, BOS_ID, UNK_ID)}'
       )
+    # Read from what SentencePiece keeps (it writes unknown fields back last).
+    self.marian_rules = self._processor.serialized_model_proto().endswith(MARIAN_MARKER)
 
   @classmethod
   def load(cls, path: str | os.PathLike) -> 'Tokenizer':
@@ -120,10 +158,43 @@ class Tokenizer:
     return self._processor.get_piece_size()
 
   def encode(self, text: str) -> list[int]:
+    if self.marian_rules:
+      return self._marian_encode([text], self._processor.encode)[0]
     return self._processor.encode(text, out_type=int)
 
   def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+    if self.marian_rules:
+      return self._marian_encode(texts, self._processor.encode)
     return self._processor.encode(list(texts), out_type=int)
+
+  def _marian_segments(self, text: str) -> list[str | int]:
+    """`text` cut as transformers' MarianTokenizer cuts it before SentencePiece sees it (its
+    `tokenize` and `_tokenize`, transformers 5): special tokens out wherever they stand, then in
+    each piece of text between them a leading `>>code<<` (from `>>` to the first `<<`, whatever
+    lies between) out as the id of that piece (a language tag), <unk> when the vocabulary lacks
+    it. Ids as ints, the rest as strings for SentencePiece, each encoded apart."""
+    out: list[str | int] = []
+    for part in _MARIAN_SPLIT.split(text):
+      if part in _MARIAN_SPECIALS:
+        out.append(_MARIAN_SPECIALS[part])
+        continue
+      if part.startswith('>>') and (end := part.find('<<')) != -1:
+        out.append(self._processor.piece_to_id(part[: end + 2]))  # unk_id when absent.
+        part = part[end + 2 :]
+      if part:
+        out.append(part)
+    return out
+
+  def _marian_encode(self, texts: Sequence[str], encode) -> list[list[int]]:
+    """`encode` (a list of strings -> their ids) over `texts`' SentencePiece parts, in one call,
+    with their tags' and special tokens' ids between."""
+    segments = [self._marian_segments(text) for text in texts]
+    parts = [part for row in segments for part in row if isinstance(part, str)]
+    encoded = iter(encode(parts, out_type=int) if parts else [])
+    return [
+      [i for part in row for i in (next(encoded) if isinstance(part, str) else [part])]
+      for row in segments
+    ]
 
   def encode_sampled(self, texts: Sequence[str], alpha: float, seed: int) -> list[list[int]]:
     """One random segmentation of each text (SentencePiece's sampling: BPE-dropout with merge
@@ -135,17 +206,15 @@ class Tokenizer:
     """
     result: list[list[list[int]]] = []
 
-    def segment() -> None:
-      result.append(
-        self._processor.encode(
-          list(texts),
-          out_type=int,
-          enable_sampling=True,
-          alpha=alpha,
-          nbest_size=-1,
-          num_threads=1,
-        )
+    def sampled(parts: list[str], out_type=int) -> list[list[int]]:
+      return self._processor.encode(
+        parts, out_type=out_type, enable_sampling=True, alpha=alpha, nbest_size=-1, num_threads=1
       )
+
+    def segment() -> None:
+      # A MarianTokenizer vocabulary samples only the text between tags and special tokens.
+      marian = self.marian_rules
+      result.append(self._marian_encode(texts, sampled) if marian else sampled(list(texts)))
 
     with _SAMPLING_LOCK:
       spm.set_random_generator_seed(int(seed))
@@ -158,7 +227,10 @@ class Tokenizer:
 
   def decode(self, ids: Sequence[int]) -> str:
     # Control ids (pad, eos, bos) are not text; unk stays visible as SentencePiece renders it.
-    return self._processor.decode([int(i) for i in ids if int(i) not in (PAD_ID, EOS_ID, BOS_ID)])
+    text = self._processor.decode([int(i) for i in ids if int(i) not in (PAD_ID, EOS_ID, BOS_ID)])
+    # MarianTokenizer's decode strips the text (its convert_tokens_to_string): a run of '▁'
+    # pieces at an end is no text there.
+    return text.strip() if self.marian_rules else text
 
   def pieces(self, ids: Sequence[int]) -> list[str]:
     return [self._processor.id_to_piece(int(i)) for i in ids]

@@ -21,8 +21,10 @@ target.spm, and returns what `workdir_writer.write` takes:
              transformers ties nothing. scale_embedding=False (our embedder always multiplies by
              sqrt(d)) divides the input tables by sqrt(d), which unties them from the output.
   vocabulary vocab.json's ids with source.spm's segmentation (target.spm segments targets), as
-             MarianTokenizer; pieces the .spm has beyond vocab.json (MarianTokenizer: <unk>)
-             come last with <unk>'s rows (marian_vocabulary).
+             MarianTokenizer, language tags (a leading >>deu<<) and special tokens (</s>, <unk>,
+             <pad>) cut out first as it cuts them (Tokenizer's MarianTokenizer rules); pieces
+             the .spm has beyond vocab.json (MarianTokenizer: <unk>) come last with <unk>'s
+             rows (marian_vocabulary).
 
 Refused, one line naming the field: another model_type, separate source and target
 vocabularies (decoder_vocab_size != vocab_size, separate_vocabs), encoder and decoder of
@@ -40,7 +42,7 @@ import numpy as np
 
 from transformer_jax.common import paths
 from transformer_jax.common.errors import UserInputError, is_integer
-from transformer_jax.data.tokenizer import BOS_ID, PAD_ID
+from transformer_jax.data.tokenizer import BOS_ID, PAD_ID, with_marian_rules
 from transformer_jax.importers import hf_files, workdir_writer
 from transformer_jax.importers.marian import MASKED_LOGIT_BIAS, our_ids
 from transformer_jax.importers.marian_vocabulary import sentencepiece_vocabulary
@@ -337,6 +339,10 @@ def read_vocabulary(folder: str, hf_vocab_size: int) -> tuple[bytes, bytes | Non
       f'{vocab_path}: disagrees with the SentencePiece models ({extra} of their pieces are not '
       'in it)'
     )
+  # Language tags (>>deu<<) and special tokens are cut out before SentencePiece, as
+  # MarianTokenizer cuts them: the rule rides in the vocabulary's bytes (data/tokenizer.py).
+  vocabulary = with_marian_rules(vocabulary)
+  target_vocabulary = target_vocabulary and with_marian_rules(target_vocabulary)
   return vocabulary, target_vocabulary, extra, ['vocab.json', 'source.spm', 'target.spm']
 
 
