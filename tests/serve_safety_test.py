@@ -426,3 +426,44 @@ def test_the_new_flags_are_checked_before_the_model_is_restored(tmp_path):
     'a.example',
     '[fd00::5]',
   }
+
+
+def test_the_guard_passes_only_http_scopes_to_the_application():
+  # Issue 51 item 6b: uvicorn runs with ws='none' and lifespan='off', but the Guard let any
+  # non-HTTP scope through unchecked. Called directly, no server: only 'http' reaches the app.
+  import asyncio
+
+  reached, refusals = [], []
+
+  async def application(scope, receive, send):
+    reached.append(scope['type'])
+
+  guard = guards.Guard(application, guards.Policy(token=TOKEN), on_refusal=refusals.append)
+
+  def call(scope, incoming=()):
+    queue, sent = list(incoming), []
+
+    async def receive():
+      return queue.pop(0)
+
+    async def send(message):
+      sent.append(message)
+
+    asyncio.run(guard(scope, receive, send))
+    return sent
+
+  # A WebSocket handshake is refused: a close before the accept (the server answers 403).
+  headers = [(b'host', b'127.0.0.1')]
+  websocket = {'type': 'websocket', 'path': '/v1/translate', 'headers': headers}
+  assert call(websocket, [{'type': 'websocket.connect'}]) == [
+    {'type': 'websocket.close', 'code': 1008}
+  ]
+  # Lifespan, and any type of a later ASGI version, raise: the spec's way to decline lifespan
+  # (the server carries on without its events).
+  for kind in ('lifespan', 'telepathy'):
+    with pytest.raises(RuntimeError, match=rf"serves ASGI 'http' scopes only, not '{kind}'"):
+      call({'type': kind}, [{'type': 'lifespan.startup'}])
+  assert reached == [] and refusals == [403]
+  # HTTP is checked and served as before.
+  http = {'type': 'http', 'method': 'GET', 'path': '/healthz', 'headers': headers}
+  assert call(http) == [] and reached == ['http']

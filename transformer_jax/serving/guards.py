@@ -21,6 +21,8 @@ the attacker's that starts resolving to 127.0.0.1) even read its answers. Hence,
   response, to deliver a request's headers, else it is closed (`header_deadline_protocol`: uvicorn
   has no such timeout, and a client that sends half a request line would hold its connection
   forever); the body then has --body_timeout_s (app.py answers 408).
+- Only HTTP is served: a WebSocket handshake is closed before its accept (403), and lifespan or
+  any other scope type raises.
 """
 
 from __future__ import annotations
@@ -151,7 +153,20 @@ class Guard:
     self.on_refusal = on_refusal
 
   async def __call__(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
-    refusal = self.refusal(scope) if scope['type'] == 'http' else None
+    # Only HTTP is checked, so only HTTP is served: app.py runs uvicorn with ws='none' and
+    # lifespan='off', and nothing may reach the application unchecked should that change.
+    if scope['type'] == 'websocket':
+      await receive()  # websocket.connect
+      # A close before the accept: the server answers the handshake 403 (the ASGI spec).
+      if self.on_refusal:
+        self.on_refusal(403)
+      await send({'type': 'websocket.close', 'code': 1008})  # 1008: policy violation.
+      return
+    if scope['type'] != 'http':
+      # lifespan, or a type of a later ASGI version. Raising is how an application declines
+      # lifespan: the server carries on without its events (the ASGI spec).
+      raise RuntimeError(f"the server serves ASGI 'http' scopes only, not {scope['type']!r}")
+    refusal = self.refusal(scope)
     if refusal is None:
       await self.app(scope, receive, send)
       return
