@@ -363,3 +363,44 @@ def test_hub_repo_id_from_the_cache_offline(tmp_path):
   error = done.stderr.strip().splitlines()[-1]
   assert 'opus-mt-en-zz' in error and 'HF_HUB_OFFLINE=1' in error, done.stderr
   assert not os.path.exists(workdir + '2')
+
+
+def _foreign_spm(folder, name):
+  """A real .spm of another script (Greek): its pieces are in no vocab.json here."""
+  rng = np.random.default_rng(7)
+  words = ['καλη', 'μερα', 'σπιτι', 'θαλασσα', 'ψωμι', 'νερο', 'ηλιος', 'φιλος']
+  text = [' '.join(rng.choice(words, rng.integers(3, 9))) for _ in range(200)]
+  marian_npz.train_sentencepiece(os.path.join(folder, 'foreign'), text, 30)
+  os.replace(os.path.join(folder, 'foreign.model'), os.path.join(folder, name))
+
+
+def test_a_vocab_json_of_another_model_is_refused(tmp_path):
+  """vocab.json whose pieces are not the .spm's (issue 50, bad input): one line naming both, exit
+  2, nothing written; a target.spm of another model too."""
+  folder = _folder(tmp_path)
+  with open(os.path.join(folder, 'vocab.json')) as f:
+    size = len(json.load(f))
+  _foreign_spm(str(tmp_path), 'foreign.spm')
+  import sentencepiece
+
+  foreign = sentencepiece.SentencePieceProcessor(model_file=str(tmp_path / 'foreign.spm'))
+  others = [foreign.id_to_piece(i) for i in range(2, foreign.get_piece_size())]
+  others += [f'filler{i}' for i in range(size - 3 - len(others))]
+  # Ids 0..size-1, </s> and <unk> first, <pad> last: all MarianTokenizer and config.json ask.
+  with open(os.path.join(folder, 'vocab.json'), 'w') as f:
+    json.dump({p: i for i, p in enumerate(['</s>', '<unk>', *others, '<pad>'])}, f)
+  workdir = str(tmp_path / 'workdir')
+  done = _command([f'--model={folder}', f'--workdir={workdir}'], {'JAX_PLATFORMS': 'cpu'})
+  assert done.returncode == 2, done.stderr
+  lines = done.stderr.strip().splitlines()
+  assert len(lines) == 1 and 'vocab.json: disagrees with source.spm' in lines[0], done.stderr
+  assert not os.path.exists(workdir)
+
+  separate = str(tmp_path / 'separate')
+  fields, saved, eos_bias, std = VARIANTS[list(VARIANTS)[2]]
+  make_folder(separate, fields, saved, eos_bias, std)
+  hf_marian.read_model(separate)  # Its own target.spm agrees.
+  _foreign_spm(separate, 'target.spm')
+  with pytest.raises(UserInputError, match='vocab.json: disagrees with target.spm') as error:
+    hf_marian.read_model(separate)
+  assert '\n' not in str(error.value)

@@ -299,6 +299,26 @@ def _stack(layers: list[dict]) -> dict:
   return np.stack([np.asarray(layer, np.float32) for layer in layers])
 
 
+def _check_agrees(vocab: dict, vocab_path: str, spm_path: str) -> None:
+  """Refuses a vocab.json that is not this .spm's (another model's, say). MarianTokenizer would
+  read each .spm piece vocab.json lacks as <unk>; a Marian vocabulary built from the data that
+  .spm segmented lacks at most its rare pieces, so half of them missing is another vocabulary."""
+  import sentencepiece
+
+  processor = sentencepiece.SentencePieceProcessor(model_file=spm_path)  # Read and checked.
+  pieces = [
+    processor.id_to_piece(i)
+    for i in range(processor.get_piece_size())
+    if not (processor.is_control(i) or processor.is_unknown(i))
+  ]
+  missing = [piece for piece in pieces if piece not in vocab]
+  if 2 * len(missing) > len(pieces):
+    raise UserInputError(
+      f'{vocab_path}: disagrees with {os.path.basename(spm_path)}: {len(missing)} of its '
+      f"{len(pieces)} pieces are not in it (e.g. {missing[0]!r:.40}): another model's vocabulary"
+    )
+
+
 def read_vocabulary(folder: str, hf_vocab_size: int) -> tuple[bytes, bytes | None, int, list]:
   """(vocabulary, target vocabulary or None, pieces appended as <unk>, files) of a MarianMT
   folder, as MarianTokenizer reads it: vocab.json's ids, source.spm / target.spm segmenting."""
@@ -334,11 +354,8 @@ def read_vocabulary(folder: str, hf_vocab_size: int) -> tuple[bytes, bytes | Non
   vocabulary, target_vocabulary, extra = sentencepiece_vocabulary(
     by_id[:-1], source_spm, vocab_path, None if same else target_spm
   )
-  if extra > (hf_vocab_size - 1) // 2:
-    raise UserInputError(
-      f'{vocab_path}: disagrees with the SentencePiece models ({extra} of their pieces are not '
-      'in it)'
-    )
+  for spm_path in [source_spm] + ([] if same else [target_spm]):
+    _check_agrees(vocab, vocab_path, spm_path)
   # Language tags (>>deu<<) and special tokens are cut out before SentencePiece, as
   # MarianTokenizer cuts them: the rule rides in the vocabulary's bytes (data/tokenizer.py).
   vocabulary = with_marian_rules(vocabulary)
