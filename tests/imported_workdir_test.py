@@ -215,3 +215,21 @@ def test_the_servers_attention_segments_targets_as_the_translator(pretrained, tm
   assert served['target_tokens'] == expected.target_tokens
   assert served['source_tokens'] == expected.source_tokens
   np.testing.assert_allclose(np.asarray(served['cross_attention']), expected.cross, atol=1e-5)
+
+
+def test_a_forced_import_killed_while_writing_keeps_the_old_workdir(
+  pretrained, tmp_path, monkeypatch
+):
+  # Issue 51: --force used to remove the old imported workdir before writing the new one.
+  _write(pretrained, tmp_path / 'model')
+  before = {p.name: p.read_bytes() for p in (tmp_path / 'model').rglob('*') if p.is_file()}
+
+  def interrupted(*args, **kwargs):
+    raise KeyboardInterrupt  # Ctrl-C (or a kill) while the new parameters are written.
+
+  monkeypatch.setattr(workdir_writer.checkpointer, 'save_params', interrupted)
+  with pytest.raises(KeyboardInterrupt):
+    _write(pretrained, tmp_path / 'model', force=True)
+  after = {p.name: p.read_bytes() for p in (tmp_path / 'model').rglob('*') if p.is_file()}
+  assert after == before
+  assert sorted(p.name for p in tmp_path.iterdir()) == ['model']  # No staging folder left.

@@ -7,10 +7,12 @@ one-line error naming the flag. `gs://` goes through fsspec's `gcsfs` (the `[gcs
 orbax and tensorstore write checkpoints there themselves.
 
 `write_atomically` gives one write semantics on both: a reader never sees a half-written file
-(locally: a temporary file renamed into place; on GCS an object appears only once its upload
-completes). `write_output` is that for a command's output flag, without damaging what the path
-is: a symlink is written through (its target replaced whole, the link kept), and a named pipe,
-a terminal, `/dev/stdout` or bash's `>(gzip > out.gz)` (`/dev/fd/63`) is written in place.
+(locally: a temporary file fsynced and renamed into place, `replace.replace_file`; on GCS an
+object appears only once its upload completes). `staged_folder` replaces a local folder whole
+(`replace.staged_folder`: never fewer than one complete copy, whatever instant a crash hits).
+`write_output` is that for a command's output flag, without damaging what the path is: a
+symlink is written through (its target replaced whole, the link kept), and a named pipe, a
+terminal, `/dev/stdout` or bash's `>(gzip > out.gz)` (`/dev/fd/63`) is written in place.
 """
 
 from __future__ import annotations
@@ -24,13 +26,10 @@ import re
 import shutil
 import stat
 import sys
-import tempfile
-import time
-import uuid
-from typing import Iterator
 
 from etils import epath
 
+from transformer_jax.common import replace
 from transformer_jax.common.errors import UserInputError
 
 Path = epath.Path
@@ -79,78 +78,17 @@ def check_gcs_support(flag: str, text: str) -> None:
 
 
 def write_atomically(path: epath.Path, data: bytes | str) -> None:
-  """Writes `path` whole or not at all (see the module docstring)."""
+  """Writes `path` whole or not at all, and durably (see the module docstring)."""
   path = epath.Path(path)
-  mode = 'wb' if isinstance(data, bytes) else 'w'
   if is_gcs(path):
-    with path.open(mode) as f:  # The object exists only once the upload completes.
+    with path.open('wb' if isinstance(data, bytes) else 'w') as f:  # Appears once uploaded.
       f.write(data)
     return
-  path.parent.mkdir(parents=True, exist_ok=True)
-  tmp = path.parent / f'.{path.name}.{uuid.uuid4().hex[:8]}.tmp'
-  try:
-    with tmp.open(mode) as f:
-      f.write(data)
-    os.replace(tmp, path)
-  except BaseException as error:  # Ctrl-C or a full disk: leave no stray temporary file either.
-    with contextlib.suppress(OSError):
-      os.unlink(tmp)
-    _raise_naming(error, path)
-    raise
+  replace.replace_file(os.fspath(path), data.encode('utf-8') if isinstance(data, str) else data)
 
 
-@contextlib.contextmanager
-def staged_folder(directory: str) -> Iterator[str]:
-  """A hidden sibling folder to fill, which then replaces the local `directory` whole.
-
-  On leaving the block without error the staging folder (made readable as the umask allows:
-  mkdtemp's 0700 would keep its files from other users) takes `directory`'s place; an existing
-  `directory` is renamed aside first and removed after, so `directory` is never half-written,
-  and the parent folder is fsynced so that the rename itself survives a crash (best effort).
-  On an error or Ctrl-C the staging folder is removed and `directory` is left as it was.
-  Staging folders left by a killed process (`.NAME.tmp-*`, `.NAME.old-*`) go first.
-  """
-  parent, name = os.path.split(directory)
-  os.makedirs(parent, exist_ok=True)
-  for entry in os.listdir(parent):  # Leftovers of earlier interrupted stagings.
-    if entry.startswith((f'.{name}.tmp-', f'.{name}.old-')):
-      shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
-  staging = tempfile.mkdtemp(prefix=f'.{name}.tmp-', dir=parent)
-  try:
-    yield staging
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(staging, 0o777 & ~umask)
-    if os.path.exists(directory):
-      token = os.path.basename(staging).removeprefix(f'.{name}.tmp-')
-      retired = os.path.join(parent, f'.{name}.old-{token}')
-      os.rename(directory, retired)
-      os.rename(staging, directory)
-      shutil.rmtree(retired, ignore_errors=True)
-    else:
-      os.rename(staging, directory)
-  except BaseException as error:
-    # A library may still be creating files in the staging folder from a background thread
-    # when the error reaches us (orbax, seen under load, for over 2 s): remove it until it has
-    # stayed removed for half a second, for up to a minute.
-    _remove_until_it_stays_removed(staging)
-    _raise_naming(error, directory)
-    raise
-  with contextlib.suppress(OSError):  # POSIX only.
-    fd = os.open(parent, os.O_RDONLY)
-    try:
-      os.fsync(fd)
-    finally:
-      os.close(fd)
-
-
-def _remove_until_it_stays_removed(folder: str, settle_s: float = 0.5, limit_s: float = 60) -> None:
-  deadline = time.monotonic() + limit_s
-  while True:
-    shutil.rmtree(folder, ignore_errors=True)
-    time.sleep(settle_s)
-    if not os.path.exists(folder) or time.monotonic() > deadline:
-      return
+# A hidden sibling folder to fill, which then replaces a local folder whole (replace.py).
+staged_folder = replace.staged_folder
 
 
 def file_sha256(path: str | os.PathLike) -> str:
@@ -227,32 +165,7 @@ def write_output(path: str | os.PathLike, data: bytes | str) -> None:
     with open(destination, 'wb') as f:  # A named pipe's reader gets the lines as written.
       f.write(data)
     return
-  _replace_whole(destination, data, None if mode is None else stat.S_IMODE(mode))
-
-
-def _replace_whole(destination: str, data: bytes, mode: int | None) -> None:
-  folder, name = os.path.split(destination)
-  os.makedirs(folder, exist_ok=True)
-  tmp = os.path.join(folder, f'.{name}.{uuid.uuid4().hex[:8]}.tmp')
-  descriptor = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
-  try:
-    with os.fdopen(descriptor, 'wb') as f:
-      if mode is not None:
-        os.fchmod(f.fileno(), mode)  # A file the user made private stays private.
-      f.write(data)
-    os.replace(tmp, destination)
-  except BaseException as error:
-    with contextlib.suppress(OSError):
-      os.unlink(tmp)
-    _raise_naming(error, destination)
-    raise
-
-
-def _raise_naming(error: BaseException, path: str | os.PathLike) -> None:
-  """Re-raises an OSError that names no file as one naming `path`, so that a full disk's
-  one-line error (cli.run) says what was being written; any other error is left to `raise`."""
-  if isinstance(error, OSError) and error.errno is not None and error.filename is None:
-    raise OSError(error.errno, error.strerror, os.fspath(path)) from error
+  replace.replace_file(destination, data, None if mode is None else stat.S_IMODE(mode))
 
 
 def local_or_remote(value: str | os.PathLike) -> epath.Path:

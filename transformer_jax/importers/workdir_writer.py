@@ -6,6 +6,7 @@ translation follow for it: `workdir.imported`."""
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 import flax.linen as nn
@@ -82,10 +83,14 @@ def write(
   leaves no folder that looks complete.
 
   An existing folder that holds anything is refused unless `force`, which replaces only an
-  imported workdir no training has used (never a training run's checkpoints).
+  imported workdir no training has used (never a training run's checkpoints). Locally the new
+  one is written beside it and then takes its place (`paths.staged_folder`): a crash at any
+  instant leaves the old workdir or the new one, whole. A bucket has no rename of a folder:
+  there the old one is removed first (docs/reliability.md).
   """
   target = Workdir(workdir)
   target.check_not_a_file()
+  replacing = False
   if target.path.exists() and any(target.path.iterdir()):
     saved = target.read_run_config_if_present()
     trained = checkpointer.list_steps(target.checkpoints)[0] if target.checkpoints.exists() else []
@@ -98,7 +103,7 @@ def write(
       raise UserInputError(
         f'--workdir={target.path} holds an imported model already; --force replaces it'
       )
-    target.path.rmtree()
+    replacing = True
   check_folder_writable(target.path, '--workdir')
   tokenizer = Tokenizer(vocabulary, '<imported vocabulary>')
   if tokenizer.vocab_size != model_config.vocab_size:
@@ -112,6 +117,20 @@ def write(
       raise ValueError('the imported target vocabulary has other pieces than the vocabulary')
   _check_params(model_config, params)
   config = run_config(model_config, _model_type(vocabulary))
+  if replacing and not paths.is_gcs(target.path):
+    check_folder_writable(target.path.parent, "--workdir's parent folder")
+    with paths.staged_folder(os.fspath(target.path)) as staging:
+      _write_files(
+        Workdir(staging), model_config, config, params, vocabulary, origin, target_vocabulary
+      )
+    return
+  if replacing:
+    target.path.rmtree()
+  _write_files(target, model_config, config, params, vocabulary, origin, target_vocabulary)
+
+
+def _write_files(target, model_config, config, params, vocabulary, origin, target_vocabulary):
+  """The imported workdir's files into `target`, config.json last."""
   target.path.mkdir(parents=True, exist_ok=True)
   target.vocab_file.write_bytes(vocabulary)
   if target_vocabulary is not None:
