@@ -193,7 +193,10 @@ def test_a_nan_first_evaluation_stops_in_one_line_and_the_run_resumes(
     'config.early_stopping_patience (1) ran out (no finite validation loss in 1 evaluation): '
     'stopped at step 2 of 8, checkpoint saved'
   ]
-  with pytest.raises(UserInputError, match='records no best checkpoint'):
+  with pytest.raises(
+    UserInputError,
+    match=r'records no best checkpoint yet \(no finite validation loss in 1 evaluation\)',
+  ):
     Translator.from_checkpoint(workdir, 'best')
 
   # Rerun: the patience has run out, nothing is trained, and it says so (no traceback).

@@ -63,7 +63,16 @@ def restore_served_params(workdir: Workdir, checkpoint: int | str | None, abstra
 def _best_step(workdir: Workdir, checkpointer: Checkpointer) -> int:
   """The best step the latest checkpoint records (`checkpoints.best`)."""
   latest = checkpointer.latest_step()
-  step = None if latest is None else best.best_step(checkpointer.read_data_state(latest))
+  data_state = {} if latest is None else checkpointer.read_data_state(latest)
+  step = best.best_step(data_state)
+  record = data_state.get(best.DATA_KEY)
+  if step is None and record and record.get('metric') in best.METRIC_MODES:
+    # Judged, but never by a finite value (every evaluation NaN): no best exists yet.
+    judged = best.BestCheckpoint.from_json(record, record['metric'], 0)
+    raise UserInputError(
+      f'{workdir.path} records no best checkpoint yet ({judged.describe()}): '
+      '--checkpoint=latest or a step loads one'
+    )
   if step is None:
     raise UserInputError(
       f'{workdir.path} records no best checkpoint: train with '
