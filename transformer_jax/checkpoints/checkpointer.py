@@ -480,14 +480,14 @@ def save_params(directory: str, params: Any, metadata: dict | None = None) -> st
 
   `params` is a pytree of NumPy or jax arrays; the checksum of each (as stored, in its own
   dtype) goes into metadata.json, under a key `metadata` may not use, for restore_params_from
-  to verify. An existing checkpoint at `directory` is replaced. Everything is first written to
-  a hidden sibling folder (`.NAME.tmp-*`); orbax commits the params inside it, metadata.json is
-  written (and fsynced) last, and only then is the folder renamed to `directory`. A crash
-  therefore never leaves a `directory` that looks complete: at worst a stale hidden folder
-  (removed by the next save) or, in the instant between the two renames of a replacement, no
-  `directory` at all. A failed write (a full disk) is a StorageError naming `directory`, with
-  the staging folder removed and the old checkpoint kept. Single-process only. Returns the
-  absolute path written.
+  to verify. An existing checkpoint at `directory` is replaced. Locally everything is first
+  written to a hidden sibling folder (orbax commits the params inside it, metadata.json last),
+  which then replaces `directory` by the replace protocol (`paths.staged_folder`,
+  docs/reliability.md): a crash at any instant leaves the old checkpoint or the new one,
+  whole, and the next save recovers what it left. In a bucket the old metadata.json goes first
+  (`_save_params_to_gcs`). A failed write (a full disk) is a StorageError naming `directory`,
+  with the staging folder removed and the old checkpoint kept. Single-process only. Returns
+  the absolute path written.
   """
   if jax.process_count() > 1:
     raise RuntimeError('save_params writes from one process; run it in a single-process job')

@@ -152,7 +152,8 @@ def prepare(
 
 def _write(spec, vocabulary: bytes, record: dict, directory: str) -> None:
   """The spec, the SentencePiece model and the record (last) into a hidden sibling folder, which
-  then replaces `directory` (`paths.staged_folder`)."""
+  then replaces `directory` (`paths.staged_folder`: never fewer than one complete export, and
+  a second server exporting at once never removes this one's folder)."""
   with paths.staged_folder(directory) as staging:
     spec.save(staging)
     with open(os.path.join(staging, ctranslate2_spec.SENTENCEPIECE_FILE), 'wb') as f:
