@@ -8,9 +8,9 @@ SentencePiece models trained here), with tags added to vocab.json.
 
 import numpy as np
 import pytest
-from import_hf_test import GERMAN, VARIANTS, WORDS, _generate, _ours, make_folder
+from import_hf_test import GERMAN, VARIANTS, WORDS, _generate, _id_maps, make_folder
 
-from transformer_jax.data.tokenizer import MARIAN_MARKER, Tokenizer
+from transformer_jax.data.tokenizer import Tokenizer, split_marian_rules
 from transformer_jax.importers import hf_marian
 from transformer_jax.inference.translator import Translator
 
@@ -66,17 +66,17 @@ def _texts(seed, words):
 
 def test_ids_equal_marian_tokenizer_with_and_without_tags(tagged):
   _, tokenizer, translator = tagged
-  vocab_size = len(tokenizer.encoder)
   assert translator.tokenizer.marian_rules
-  for side, words, ours in (
-    ('source', WORDS, translator.tokenizer),
-    ('target', WORDS + GERMAN, translator.target_tokenizer),
+  tables = _id_maps(tokenizer, translator)
+  for side, words, ours, table in (
+    ('source', WORDS, translator.tokenizer, tables[0]),
+    ('target', WORDS + GERMAN, translator.target_tokenizer, tables[1]),
   ):
     texts = _texts(4, words)
     assert len(texts) >= 100 and sum(t.startswith(TAGS) for t in texts) >= 50
     kwargs = 'text' if side == 'source' else 'text_target'
     rows = tokenizer(**{kwargs: texts}).input_ids
-    theirs = [list(_ours(np.array(ids[:-1], int), vocab_size)) for ids in rows]  # No </s>.
+    theirs = [list(table[np.array(ids[:-1], int)]) for ids in rows]  # No </s>.
     assert ours.encode_batch(texts) == theirs, side
     assert [ours.encode(text) for text in texts] == theirs, side
     # Subword sampling keeps tags whole (MarianTokenizer does not sample; what fine-tuning may).
@@ -106,10 +106,10 @@ def test_the_rule_travels_in_the_vocabulary_and_only_there(tmp_path, tagged):
   ours = translator.tokenizer
   ours.save(tmp_path / 'v.model')
   again = Tokenizer.load(tmp_path / 'v.model')
-  assert again.marian_rules and again.model_bytes.endswith(MARIAN_MARKER)
+  assert again.marian_rules and again.model_bytes == ours.model_bytes
   assert again.encode('>>deu<< the cat') == ours.encode('>>deu<< the cat')
   # Without the marker, the same pieces segment as SentencePiece alone: the tag in characters.
-  plain = Tokenizer(ours.model_bytes[: -len(MARIAN_MARKER)])
+  plain = Tokenizer(split_marian_rules(ours.model_bytes)[0])
   assert not plain.marian_rules and plain.fingerprint != ours.fingerprint
   assert plain.encode('>>deu<< the cat')[0] != ours._processor.piece_to_id('>>deu<<')
   trained = Tokenizer.train([' '.join(WORDS)] * 20 + ['>>deu<< the cat'] * 5, vocab_size=40)

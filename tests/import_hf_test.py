@@ -20,7 +20,6 @@ import pytest
 
 from transformer_jax.common.errors import UserInputError
 from transformer_jax.importers import hf_files, hf_marian
-from transformer_jax.importers.marian import our_ids
 from transformer_jax.inference.translator import Translator
 from transformer_jax.testing import marian_npz
 
@@ -62,9 +61,15 @@ VARIANTS = {
 }
 
 
-def _tokenizer_files(folder, separate_target, tags=()):
+def _tokenizer_files(folder, separate_target, tags=(), vocabs=None):
   """source.spm, target.spm (another model if separate_target) and vocab.json (Marian's joint
-  ids: the source's pieces, then the target's it lacks, then `tags`, then <pad>)."""
+  ids: the source's pieces, then the target's it lacks, then `tags`, then <pad>); returns the
+  (source, target) vocabulary sizes.
+
+  vocabs 'equal' or 'unequal': separate vocabularies (tokenizer_config.json separate_vocabs) as
+  transformers' Marian conversion writes them: vocab.json the source's pieces, target_vocab.json
+  the target's, each with <pad> last; 'equal' pads the smaller with pieces no .spm makes (the
+  conversion requires equal sizes; a MarianMTModel does not)."""
   rng = np.random.default_rng(0)
   text = [' '.join(rng.choice(WORDS, rng.integers(3, 12))) for _ in range(300)]
   pieces = marian_npz.train_sentencepiece(os.path.join(folder, 'source'), text, 80)
@@ -75,24 +80,38 @@ def _tokenizer_files(folder, separate_target, tags=()):
     german = [' '.join(rng.choice(GERMAN * 3 + WORDS, rng.integers(3, 12))) for _ in range(300)]
     target = marian_npz.train_sentencepiece(os.path.join(folder, 'target'), german, 60)
     os.rename(os.path.join(folder, 'target.model'), os.path.join(folder, 'target.spm'))
-    pieces += [p for p in target if p not in pieces]
+    if vocabs:
+      target = target + [f'unused{i}' for i in range(len(pieces) - len(target))]
+      pieces = pieces + list(tags)
+      if vocabs == 'equal':
+        pieces += [f'filler{i}' for i in range(len(target) - len(pieces))]
+      with open(os.path.join(folder, 'target_vocab.json'), 'w') as f:
+        json.dump({p: i for i, p in enumerate(target + ['<pad>'])}, f)
+      with open(os.path.join(folder, 'tokenizer_config.json'), 'w') as f:
+        json.dump({'separate_vocabs': True}, f)
+      tags = ()
+    else:
+      pieces += [p for p in target if p not in pieces]
   else:
     shutil.copy(os.path.join(folder, 'source.spm'), os.path.join(folder, 'target.spm'))
+    target = None
   vocab = {p: i for i, p in enumerate(pieces + list(tags) + ['<pad>'])}
   with open(os.path.join(folder, 'vocab.json'), 'w') as f:
     json.dump(vocab, f)
-  return len(vocab)
+  return len(vocab), len(target) + 1 if vocabs else len(vocab)
 
 
 def make_folder(folder, fields, saved, eos_bias, std, seed=0, tags=()):
   """A random MarianMTModel saved into `folder` as transformers saves one (vocab.json with
   language `tags`, as multilingual OPUS-MT models have); returns it."""
   os.makedirs(folder)
+  fields = dict(fields)
+  vocabs = fields.pop('vocabs', None)
   separate = fields.get('share_encoder_decoder_embeddings') is False
-  vocab_size = _tokenizer_files(folder, separate, tags)
+  vocab_size, target_size = _tokenizer_files(folder, separate, tags, vocabs)
   config = transformers.MarianConfig(
     vocab_size=vocab_size,
-    decoder_vocab_size=vocab_size,
+    decoder_vocab_size=target_size,
     d_model=32,
     encoder_layers=2,
     decoder_layers=2,
@@ -102,7 +121,7 @@ def make_folder(folder, fields, saved, eos_bias, std, seed=0, tags=()):
     decoder_ffn_dim=64,
     max_position_embeddings=MAX_POSITIONS,
     pad_token_id=vocab_size - 1,
-    decoder_start_token_id=vocab_size - 1,
+    decoder_start_token_id=target_size - 1,
     eos_token_id=0,
     forced_eos_token_id=None,
     init_std=std,
@@ -149,57 +168,85 @@ def _sources(seed=1, count=SENTENCES):
   return [' '.join(rng.choice(WORDS, rng.integers(1, 10))) for _ in range(count)]
 
 
-def _ours(ids, vocab_size):
-  """HF ids (</s> and <unk> ..., <pad> last) as ours (marian.our_ids; <pad> -> PAD 0)."""
-  table = np.concatenate([our_ids(vocab_size - 1), [0]])
-  return table[np.asarray(ids)]
+def _id_maps(tokenizer, translator):
+  """(source, target) arrays of HF id -> ours, by piece name (what the ids mean, not how the
+  importer maps them); <pad> -> our PAD 0."""
+
+  def table(vocab, ours):
+    out = np.zeros(len(vocab), np.int64)
+    for piece, i in vocab.items():
+      out[i] = 0 if piece == '<pad>' else ours._processor.piece_to_id(piece)
+    return out
+
+  target_vocab = tokenizer.target_encoder if tokenizer.separate_vocabs else tokenizer.encoder
+  return (
+    table(tokenizer.encoder, translator.tokenizer),
+    table(target_vocab, translator.target_tokenizer),
+  )
 
 
-def test_logits_and_forced_scores_equal_transformers(imported):
-  name, model, tokenizer, translator = imported
+def _padded(rows, pad):
+  """Lists of ids as one [n, longest] array, `pad` after each."""
+  out = np.full((len(rows), max(map(len, rows))), pad, np.int64)
+  for i, row in enumerate(rows):
+    out[i, : len(row)] = row
+  return out
+
+
+def logits_and_scores_agree(name, model, tokenizer, translator):
+  """Logits within 1e-4 of MarianMTModel's, and Translator.score's log-probs its forced
+  decoding's, over 64 pairs. Batches padded here, each side with its own <pad>: MarianTokenizer
+  pads labels with vocab.json's, another piece's id in target_vocab.json of another size."""
   sources = _sources(count=64)
   rng = np.random.default_rng(2)  # Both languages' words, within the positions there are.
   targets = [' '.join(rng.choice(WORDS + GERMAN, rng.integers(1, 5))) for _ in range(64)]
-  lengths = [len(ids) for ids in tokenizer(text_target=targets).input_ids]
-  targets = [t for t, n in zip(targets, lengths) if n < MAX_POSITIONS]
+  pairs = zip(targets, tokenizer(text_target=targets).input_ids)
+  targets, labels = zip(*[(t, ids) for t, ids in pairs if len(ids) < MAX_POSITIONS])
   sources = sources[: len(targets)]
-  batch = tokenizer(sources, text_target=targets, return_tensors='pt', padding=True)
-  vocab_size = model.config.vocab_size
-  labels = batch['labels']
-  start = torch.full((len(sources), 1), vocab_size - 1)
+  source_pad, target_pad = model.config.pad_token_id, model.config.decoder_start_token_id
+  src = _padded(tokenizer(sources).input_ids, source_pad)
+  keep = np.zeros((len(labels), max(map(len, labels))), bool)  # Real targets, </s> included.
+  for i, ids in enumerate(labels):
+    keep[i, : len(ids)] = True
+  labels = _padded(labels, target_pad)
+  decoder_in = np.concatenate([np.full((len(sources), 1), target_pad), labels[:, :-1]], 1)
   with torch.no_grad():
     theirs = model(
-      input_ids=batch['input_ids'],
-      attention_mask=batch['attention_mask'],
-      decoder_input_ids=torch.cat([start, labels[:, :-1]], 1),
+      input_ids=torch.from_numpy(src),
+      attention_mask=torch.from_numpy((src != source_pad).astype(np.int64)),
+      decoder_input_ids=torch.from_numpy(decoder_in),
     ).logits.numpy()
-  src = _ours(batch['input_ids'].numpy(), vocab_size) * batch['attention_mask'].numpy()
-  tgt_in = _ours(np.concatenate([start.numpy(), labels[:, :-1].numpy()], 1), vocab_size)
+  source_ids, target_ids = _id_maps(tokenizer, translator)
+  tgt_in = target_ids[decoder_in]
   tgt_in[:, 0] = 2  # Our BOS, whose row is <pad>'s.
-  ours = np.asarray(translator.model.apply({'params': translator.params}, src, tgt_in))
-  keep = labels.numpy() != vocab_size - 1  # Positions of real targets.
-  hf_columns = np.arange(vocab_size)
-  diff = np.abs(ours[..., _ours(hf_columns, vocab_size)] - theirs)[keep]
+  ours = translator.model.apply({'params': translator.params}, source_ids[src], tgt_in)
+  diff = np.abs(np.asarray(ours)[..., target_ids] - theirs)[keep]
   assert diff.max() < 1e-4, (name, diff.max())
   # Forced decoding: transformers' log-softmax without <pad> (never a prediction, as our
   # scores and the Helsinki-NLP generation configs have it) against Translator.score.
-  theirs[..., vocab_size - 1] = -np.inf
+  theirs[..., target_pad] = -np.inf
   logp = theirs - np.logaddexp.reduce(theirs, axis=-1, keepdims=True)
-  labels = labels.numpy()
   want = [logp[i, keep[i], labels[i, keep[i]]].sum() for i in range(len(sources))]
-  got = [s['log_prob'] for s in translator.score(sources, targets)]
+  got = [s['log_prob'] for s in translator.score(sources, list(targets))]
   np.testing.assert_allclose(got, want, atol=2e-4, rtol=1e-5, err_msg=name)
 
 
+def test_logits_and_forced_scores_equal_transformers(imported):
+  logits_and_scores_agree(*imported)
+
+
 def _generate(model, tokenizer, sources, **options):
-  vocab_size = model.config.vocab_size
+  """generate's outputs (texts as MarianTokenizer decodes them, and ids), never the target's
+  <pad>; finished rows padded with it."""
+  target_pad = model.config.decoder_start_token_id
   batch = tokenizer(sources, return_tensors='pt', padding=True)
   with torch.no_grad():
     out = model.generate(
       **batch,
       do_sample=False,
       max_new_tokens=MAX_POSITIONS - 1,
-      bad_words_ids=[[vocab_size - 1]],
+      bad_words_ids=[[target_pad]],
+      pad_token_id=target_pad,
       **options,
     )
   return [tokenizer.decode(row, skip_special_tokens=True) for row in out], out
@@ -233,18 +280,18 @@ def test_tokenizer_ids_equal_marian_tokenizer(tmp_path):
   hf_marian.import_hf_model(folder, str(tmp_path / 'workdir'))
   tokenizer = transformers.MarianTokenizer.from_pretrained(folder)
   translator = Translator.from_checkpoint(str(tmp_path / 'workdir'))
-  vocab_size = len(tokenizer.encoder)
+  source_ids, target_ids = _id_maps(tokenizer, translator)
   rng = np.random.default_rng(3)
   # Each side's text in characters its .spm knows (what MarianTokenizer does with the others:
   # _tokenizer_files).
   sources = [' '.join(rng.choice(WORDS, rng.integers(1, 8))) for _ in range(100)]
   targets = [' '.join(rng.choice(WORDS + GERMAN, rng.integers(1, 8))) for _ in range(100)]
-  for theirs, ours, texts in (
-    (tokenizer(sources).input_ids, translator.tokenizer, sources),
-    (tokenizer(text_target=targets).input_ids, translator.target_tokenizer, targets),
+  for theirs, ours, texts, table in (
+    (tokenizer(sources).input_ids, translator.tokenizer, sources, source_ids),
+    (tokenizer(text_target=targets).input_ids, translator.target_tokenizer, targets, target_ids),
   ):
     for text, ids in zip(texts, theirs):
-      assert list(_ours(ids[:-1], vocab_size)) == ours.encode(text), text
+      assert list(table[ids[:-1]]) == ours.encode(text), text
   assert translator.tokenizer.model_bytes != translator.target_tokenizer.model_bytes
 
 
@@ -269,7 +316,14 @@ def _folder(tmp_path, **changes):
     (dict(normalize_before=True), 'normalize_before'),
     (dict(static_position_embeddings=False), 'static_position_embeddings'),
     (dict(activation_function='gelu_new'), 'activation_function'),
-    (dict(share_encoder_decoder_embeddings=False, decoder_vocab_size=50), 'decoder_vocab_size'),
+    # Separate sizes need separate vocabularies (target_vocab.json); these have one.
+    (
+      dict(
+        share_encoder_decoder_embeddings=False, decoder_vocab_size=50, decoder_start_token_id=49
+      ),
+      'decoder_vocab_size=50 is not vocab_size=.* needs a target_vocab.json',
+    ),
+    (dict(decoder_start_token_id=3), 'decoder_start_token_id'),
     (dict(decoder_ffn_dim=128), 'decoder_ffn_dim'),
     (dict(d_model=64), 'has shape'),
   ],

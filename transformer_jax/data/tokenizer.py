@@ -9,6 +9,7 @@ import hashlib
 import io
 import os
 import re
+import struct
 import threading
 import time
 from typing import Iterable, Iterator, Sequence
@@ -30,8 +31,17 @@ _SAMPLING_LOCK = threading.Lock()
 # ensembles comparing hashes, token caches keyed by `fingerprint`) gets it: a length-delimited
 # field of ModelProto's range for third-party extensions (200 and up), which SentencePiece parses
 # as unknown, ignores and writes back last. Any other vocabulary lacks it and is read as before.
+# Its payload: _MARIAN_TEXT, the ids this side's MarianTokenizer vocabulary lacks (uint32s; they
+# are <unk> to it), their count (a uint32): fixed text at a place the last 4 bytes give, so that
+# it is found from the end without parsing the model.
 _MARIAN_FIELD = 20050
-_MARIAN_PAYLOAD = b'transformer_jax: MarianTokenizer segmentation (>>tag<< prefixes, specials)'
+_MARIAN_TEXT = b'transformer_jax: MarianTokenizer segmentation (>>tag<< prefixes, specials)'
+# MarianTokenizer's special tokens: its added-token trie cuts them out of the text wherever they
+# stand (none is a prefix of another, so an alternation finds what the trie finds). The ids are
+# then MarianTokenizer's; a <pad> inside a text is padding to our model, though, where
+# MarianMTModel attends to it.
+_MARIAN_SPECIALS = {'</s>': EOS_ID, '<unk>': UNK_ID, '<pad>': PAD_ID}
+_MARIAN_SPLIT = re.compile('(' + '|'.join(map(re.escape, _MARIAN_SPECIALS)) + ')')
 
 
 def _varint(value: int) -> bytes:
@@ -43,19 +53,32 @@ def _varint(value: int) -> bytes:
   return bytes(out + bytes([value]))
 
 
-# Field key (number, wire type 2: length-delimited), length, payload.
-MARIAN_MARKER = _varint(_MARIAN_FIELD << 3 | 2) + _varint(len(_MARIAN_PAYLOAD)) + _MARIAN_PAYLOAD
-# MarianTokenizer's special tokens: its added-token trie cuts them out of the text wherever they
-# stand (none is a prefix of another, so an alternation finds what the trie finds). The ids are
-# then MarianTokenizer's; a <pad> inside a text is padding to our model, though, where
-# MarianMTModel attends to it.
-_MARIAN_SPECIALS = {'</s>': EOS_ID, '<unk>': UNK_ID, '<pad>': PAD_ID}
-_MARIAN_SPLIT = re.compile('(' + '|'.join(map(re.escape, _MARIAN_SPECIALS)) + ')')
+def _marian_field(unknown_ids: Sequence[int]) -> bytes:
+  ids = sorted(set(int(i) for i in unknown_ids))
+  payload = _MARIAN_TEXT + struct.pack(f'<{len(ids)}I', *ids) + struct.pack('<I', len(ids))
+  return _varint(_MARIAN_FIELD << 3 | 2) + _varint(len(payload)) + payload
 
 
-def with_marian_rules(model_proto: bytes) -> bytes:
-  """`model_proto` marked to segment text as transformers' MarianTokenizer (`Tokenizer`)."""
-  return model_proto if model_proto.endswith(MARIAN_MARKER) else model_proto + MARIAN_MARKER
+def split_marian_rules(model_proto: bytes) -> tuple[bytes, frozenset[int] | None]:
+  """(the model without MarianTokenizer's rules, the ids its vocabulary lacks, or None where
+  the model has no such rules)."""
+  if len(model_proto) < 4:
+    return model_proto, None
+  (count,) = struct.unpack('<I', model_proto[-4:])
+  end = len(model_proto) - 4 - 4 * count
+  start = end - len(_MARIAN_TEXT)
+  payload = len(model_proto) - start
+  field = _varint(_MARIAN_FIELD << 3 | 2) + _varint(payload)
+  if start < len(field) or model_proto[start - len(field) : end] != field + _MARIAN_TEXT:
+    return model_proto, None
+  ids = struct.unpack(f'<{count}I', model_proto[end:-4])
+  return model_proto[: start - len(field)], frozenset(ids)
+
+
+def with_marian_rules(model_proto: bytes, unknown_ids: Sequence[int] = ()) -> bytes:
+  """`model_proto` marked to segment text as transformers' MarianTokenizer (`Tokenizer`), its
+  `unknown_ids` (pieces of ours that side's vocabulary lacks) read as <unk>, as it reads them."""
+  return split_marian_rules(model_proto)[0] + _marian_field(unknown_ids)
 
 
 class Tokenizer:
@@ -80,7 +103,8 @@ class Tokenizer:
         f'expected {(PAD_ID, EOS_ID, BOS_ID, UNK_ID)}'
       )
     # Read from what SentencePiece keeps (it writes unknown fields back last).
-    self.marian_rules = self._processor.serialized_model_proto().endswith(MARIAN_MARKER)
+    _, self._marian_unknown = split_marian_rules(self._processor.serialized_model_proto())
+    self.marian_rules = self._marian_unknown is not None
 
   @classmethod
   def load(cls, path: str | os.PathLike) -> 'Tokenizer':
@@ -179,7 +203,8 @@ class Tokenizer:
         out.append(_MARIAN_SPECIALS[part])
         continue
       if part.startswith('>>') and (end := part.find('<<')) != -1:
-        out.append(self._processor.piece_to_id(part[: end + 2]))  # unk_id when absent.
+        tag = self._processor.piece_to_id(part[: end + 2])  # unk_id when absent.
+        out.append(UNK_ID if tag in self._marian_unknown else tag)
         part = part[end + 2 :]
       if part:
         out.append(part)
@@ -190,7 +215,11 @@ class Tokenizer:
     with their tags' and special tokens' ids between."""
     segments = [self._marian_segments(text) for text in texts]
     parts = [part for row in segments for part in row if isinstance(part, str)]
-    encoded = iter(encode(parts, out_type=int) if parts else [])
+    encoded = encode(parts, out_type=int) if parts else []
+    unknown = self._marian_unknown
+    if unknown:  # Pieces MarianTokenizer's vocabulary lacks: it reads them as <unk>.
+      encoded = [[UNK_ID if i in unknown else i for i in ids] for ids in encoded]
+    encoded = iter(encoded)
     return [
       [i for part in row for i in (next(encoded) if isinstance(part, str) else [part])]
       for row in segments

@@ -11,25 +11,32 @@ target.spm, and returns what `workdir_writer.write` takes:
              neither of our sinusoid layouts is) as learned position tables, computed as it
              computes them: exact, and fine-tuning may then move them (MarianMTModel's are frozen).
   ids        HF: </s>=0, <unk>=1, ..., <pad>=pad_token_id, the decoder's start. Ours: PAD=0,
-             EOS=1, BOS=2, UNK=3, then HF's ids from 2 on (marian.our_ids without <pad>). The
-             <pad> row becomes both our PAD and BOS rows, so our BOS at position 0 is HF's
-             decoder start. Our PAD's logit is HF's <pad> logit, which our searches and scores
-             leave out, as the Helsinki-NLP generation configs do (bad_words_ids [[pad]]); BOS
-             and the pieces the .spm has beyond vocab.json get MASKED_LOGIT_BIAS.
+             EOS=1, BOS=2, UNK=3, then vocab.json's ids from 2 on, then target_vocab.json's
+             pieces vocab.json lacks (hf_vocabulary: both sides in one id space). The <pad> row
+             becomes both our PAD and BOS rows, so our BOS at position 0 is HF's decoder start.
+             Our PAD's logit is the target's <pad> logit, which our searches and scores leave
+             out, as the Helsinki-NLP generation configs do (bad_words_ids [[pad]]); BOS and
+             every id that is no target piece get MASKED_LOGIT_BIAS.
   embeddings tied as MarianMTModel ties them: with tie_word_embeddings, the shared table (or the
              decoder's, without share_encoder_decoder_embeddings) is the output too; without,
              transformers ties nothing. scale_embedding=False (our embedder always multiplies by
              sqrt(d)) divides the input tables by sqrt(d), which unties them from the output.
+             Each side's table fills the ids of its own pieces; the ids its vocabulary lacks
+             get its <unk> row (MarianTokenizer reads those pieces as <unk>).
   vocabulary vocab.json's ids with source.spm's segmentation (target.spm segments targets), as
              MarianTokenizer, language tags (a leading >>deu<<) and special tokens (</s>, <unk>,
              <pad>) cut out first as it cuts them (Tokenizer's MarianTokenizer rules); pieces
-             the .spm has beyond vocab.json (MarianTokenizer: <unk>) come last with <unk>'s
-             rows (marian_vocabulary).
+             the .spm has beyond the vocabularies (MarianTokenizer: <unk>) come last.
+  separate   vocabularies (tokenizer_config.json separate_vocabs, target_vocab.json; with
+             share_encoder_decoder_embeddings=false, decoder_vocab_size may differ from
+             vocab_size) are exact in our one vocabulary: its source pieces index the encoder's
+             table, its target pieces the decoder's and the output's, and no other id is ever
+             predicted. Shared embeddings over separate vocabularies become two tables.
 
-Refused, one line naming the field: another model_type, separate source and target
-vocabularies (decoder_vocab_size != vocab_size, separate_vocabs), encoder and decoder of
-different widths, activations we lack (gelu_new, ...), and legacy fields MarianMTModel ignores
-whose value says it computes something else (normalize_before, static_position_embeddings, ...).
+Refused, one line naming the field: another model_type, decoder_vocab_size != vocab_size
+without a target_vocab.json, encoder and decoder of different widths, activations we lack
+(gelu_new, ...), and legacy fields MarianMTModel ignores whose value says it computes something
+else (normalize_before, static_position_embeddings, ...).
 """
 
 from __future__ import annotations
@@ -42,10 +49,9 @@ import numpy as np
 
 from transformer_jax.common import paths
 from transformer_jax.common.errors import UserInputError, is_integer
-from transformer_jax.data.tokenizer import BOS_ID, PAD_ID, with_marian_rules
-from transformer_jax.importers import hf_files, workdir_writer
-from transformer_jax.importers.marian import MASKED_LOGIT_BIAS, our_ids
-from transformer_jax.importers.marian_vocabulary import sentencepiece_vocabulary
+from transformer_jax.data.tokenizer import BOS_ID, PAD_ID
+from transformer_jax.importers import hf_files, hf_vocabulary, workdir_writer
+from transformer_jax.importers.marian import MASKED_LOGIT_BIAS
 from transformer_jax.model.config import TransformerConfig
 
 # transformers' ACT2FN names -> ours. 'gelu' is torch's exact (erf) gelu; 'quick_gelu' is
@@ -117,15 +123,15 @@ def check_config(config: Any, path: str) -> dict[str, Any]:
   if not is_integer(vocab_size) or vocab_size < 3:
     refuse('vocab_size', 'must be an integer of at least 3')
   share = _field(config, 'share_encoder_decoder_embeddings', True)
-  if not share and _field(config, 'decoder_vocab_size', vocab_size) != vocab_size:
-    refuse(
-      'decoder_vocab_size', f'separate source and target vocabularies (vocab_size={vocab_size})'
-    )
+  # MarianMTModel ignores decoder_vocab_size when the embeddings are shared.
+  target_size = vocab_size if share else _field(config, 'decoder_vocab_size', vocab_size)
+  if not is_integer(target_size) or target_size < 3:
+    refuse('decoder_vocab_size', 'must be an integer of at least 3')
   for name, want in (('eos_token_id', 0), ('pad_token_id', vocab_size - 1)):
     if config.get(name, want) != want:
       refuse(name, f'expected {want}: </s> first, <pad> last, as Marian conversions have them')
-  if _field(config, 'decoder_start_token_id', vocab_size - 1) != vocab_size - 1:
-    refuse('decoder_start_token_id', f'decoding starts from <pad> ({vocab_size - 1})')
+  if _field(config, 'decoder_start_token_id', target_size - 1) != target_size - 1:
+    refuse('decoder_start_token_id', f"decoding starts from the target's <pad> ({target_size - 1})")
   max_pos = config.get('max_position_embeddings', 1024)
   if not is_integer(max_pos) or max_pos <= 0:
     refuse('max_position_embeddings', 'must be a positive integer')
@@ -140,6 +146,7 @@ def check_config(config: Any, path: str) -> dict[str, Any]:
     'd_ff': config['encoder_ffn_dim'],
     'ffn_activation': ACTIVATIONS[activation],
     'hf_vocab_size': vocab_size,
+    'hf_target_vocab_size': target_size,
     'max_position_embeddings': max_pos,
     'share': share,
     'tied': _field(config, 'tie_word_embeddings', True),
@@ -201,19 +208,22 @@ def _tables(arrays: dict, layout: dict, path: str) -> tuple[np.ndarray, np.ndarr
   return first(names[1]), first(names[2]), first(names[3])
 
 
-def map_params(arrays: dict, layout: dict, vocab_size: int, extra: int, max_len: int, path: str):
+def map_params(
+  arrays: dict, layout: dict, vocab: hf_vocabulary.HFVocabulary, max_len: int, path: str
+):
   """MarianMTModel's tensors as our parameter tree (marian.map_params' layout); shapes and
   values checked against the config first."""
-  d, h, v_hf = layout['d_model'], layout['num_heads'], layout['hf_vocab_size']
+  d, h = layout['d_model'], layout['num_heads']
+  v_source, v_target = layout['hf_vocab_size'], layout['hf_target_vocab_size']
   expected = expected_shapes(layout)
-  embedding_names = {
-    'model.shared.weight',
-    'model.encoder.embed_tokens.weight',
-    'model.decoder.embed_tokens.weight',
-    'lm_head.weight',
+  embedding_sizes = {
+    'model.shared.weight': v_source,
+    'model.encoder.embed_tokens.weight': v_source,
+    'model.decoder.embed_tokens.weight': v_target,
+    'lm_head.weight': v_target,
   }
-  expected.update({n: (v_hf, d) for n in embedding_names & set(arrays)})
-  expected['final_logits_bias'] = (1, v_hf)
+  expected.update({n: (v, d) for n, v in embedding_sizes.items() if n in arrays})
+  expected['final_logits_bias'] = (1, v_target)
   positions = {'model.encoder.embed_positions.weight', 'model.decoder.embed_positions.weight'}
   for name in sorted(set(expected) - set(arrays))[:1]:
     if name != 'final_logits_bias':
@@ -233,12 +243,14 @@ def map_params(arrays: dict, layout: dict, vocab_size: int, extra: int, max_len:
     if not np.isfinite(array).all():
       raise UserInputError(f'{path}: tensor {name} holds NaN or Inf')
 
-  def rows(hf_table: np.ndarray) -> np.ndarray:
-    """An HF [V, ...] table in our id order: <pad>'s row at PAD and BOS, <unk>'s at extras."""
-    out = np.zeros((vocab_size, *hf_table.shape[1:]), np.float32)
-    out[our_ids(v_hf - 1)] = hf_table[:-1]
+  def rows(hf_table: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """One side's HF [V, ...] table (`ids`: its HF id -> ours) in our id order: <pad>'s row at
+    PAD and BOS, <unk>'s at every id the side's vocabulary lacks (MarianTokenizer reads those
+    pieces as <unk>: the extras, and with separate vocabularies the other side's pieces)."""
+    out = np.empty((vocab.vocab_size, *hf_table.shape[1:]), np.float32)
+    out[:] = hf_table[1]
+    out[ids[:-1]] = hf_table[:-1]
     out[[PAD_ID, BOS_ID]] = hf_table[-1]
-    out[vocab_size - extra :] = hf_table[1]
     return out
 
   params: dict[str, Any] = {}
@@ -278,15 +290,20 @@ def map_params(arrays: dict, layout: dict, vocab_size: int, extra: int, max_len:
 
   source, target, output = _tables(arrays, layout, path)
   scale = 1.0 if layout['scale'] else 1 / math.sqrt(d)  # Ours multiplies by sqrt(d) always.
+  sources, targets = vocab.source_ids, vocab.target_ids
   if layout['shared_table'] and scale == 1.0:
-    params['shared_embedding'] = {'embedding': rows(source)}
+    params['shared_embedding'] = {'embedding': rows(source, sources)}
   else:
-    params['source_embedding'] = {'embedding': rows(source * scale)}
-    params['target_embedding'] = {'embedding': rows(target * scale)}
-    params['output_projection'] = {'kernel': rows(output).T.copy()}
-  bias = rows(arrays.get('final_logits_bias', np.zeros((1, v_hf), np.float32))[0])
-  bias[BOS_ID] += MASKED_LOGIT_BIAS
-  bias[vocab_size - extra :] += MASKED_LOGIT_BIAS
+    params['source_embedding'] = {'embedding': rows(source * scale, sources)}
+    params['target_embedding'] = {'embedding': rows(target * scale, targets)}
+    params['output_projection'] = {'kernel': rows(output, targets).T.copy()}
+  bias = rows(arrays.get('final_logits_bias', np.zeros((1, v_target), np.float32))[0], targets)
+  # Only the target vocabulary's pieces are predictions (and PAD, <pad>'s, which searches and
+  # scores leave out themselves); BOS and the rest never are.
+  never = np.ones(vocab.vocab_size, bool)
+  never[targets] = False
+  never[BOS_ID] = True
+  bias[never] += MASKED_LOGIT_BIAS
   params['logits_bias'] = bias
   return params
 
@@ -299,70 +316,6 @@ def _stack(layers: list[dict]) -> dict:
   return np.stack([np.asarray(layer, np.float32) for layer in layers])
 
 
-def _check_agrees(vocab: dict, vocab_path: str, spm_path: str) -> None:
-  """Refuses a vocab.json that is not this .spm's (another model's, say). MarianTokenizer would
-  read each .spm piece vocab.json lacks as <unk>; a Marian vocabulary built from the data that
-  .spm segmented lacks at most its rare pieces, so half of them missing is another vocabulary."""
-  import sentencepiece
-
-  processor = sentencepiece.SentencePieceProcessor(model_file=spm_path)  # Read and checked.
-  pieces = [
-    processor.id_to_piece(i)
-    for i in range(processor.get_piece_size())
-    if not (processor.is_control(i) or processor.is_unknown(i))
-  ]
-  missing = [piece for piece in pieces if piece not in vocab]
-  if 2 * len(missing) > len(pieces):
-    raise UserInputError(
-      f'{vocab_path}: disagrees with {os.path.basename(spm_path)}: {len(missing)} of its '
-      f"{len(pieces)} pieces are not in it (e.g. {missing[0]!r:.40}): another model's vocabulary"
-    )
-
-
-def read_vocabulary(folder: str, hf_vocab_size: int) -> tuple[bytes, bytes | None, int, list]:
-  """(vocabulary, target vocabulary or None, pieces appended as <unk>, files) of a MarianMT
-  folder, as MarianTokenizer reads it: vocab.json's ids, source.spm / target.spm segmenting."""
-  inside = lambda name: os.path.join(folder, name)  # noqa: E731
-  for name in ('vocab.json', 'source.spm', 'target.spm'):
-    if not os.path.exists(inside(name)):
-      raise UserInputError(f'--model={folder}: {name} is missing (MarianTokenizer needs it)')
-  tokenizer_config = inside('tokenizer_config.json')
-  if os.path.exists(tokenizer_config):
-    settings = hf_files.read_json(tokenizer_config, 'tokenizer config')
-    if isinstance(settings, dict) and settings.get('separate_vocabs'):
-      raise UserInputError(
-        f'{tokenizer_config}: separate_vocabs=true is not supported: separate source and '
-        'target vocabularies'
-      )
-  vocab_path = inside('vocab.json')
-  vocab = hf_files.read_json(vocab_path, 'vocabulary')
-  if not isinstance(vocab, dict) or not all(
-    isinstance(k, str) and is_integer(v) for k, v in vocab.items()
-  ):
-    raise UserInputError(f'{vocab_path}: not a map of pieces to ids')
-  pieces = {v: k for k, v in vocab.items()}
-  if sorted(pieces) != list(range(hf_vocab_size)):
-    raise UserInputError(
-      f'{vocab_path}: ids are not 0..{hf_vocab_size - 1} each once (config.json vocab_size)'
-    )
-  by_id = [pieces[i] for i in range(hf_vocab_size)]
-  if by_id[-1] != '<pad>':
-    raise UserInputError(f'{vocab_path}: id {hf_vocab_size - 1} is {by_id[-1]!r:.40}, not <pad>')
-  source_spm, target_spm = inside('source.spm'), inside('target.spm')
-  with open(source_spm, 'rb') as a, open(target_spm, 'rb') as b:
-    same = a.read() == b.read()
-  vocabulary, target_vocabulary, extra = sentencepiece_vocabulary(
-    by_id[:-1], source_spm, vocab_path, None if same else target_spm
-  )
-  for spm_path in [source_spm] + ([] if same else [target_spm]):
-    _check_agrees(vocab, vocab_path, spm_path)
-  # Language tags (>>deu<<) and special tokens are cut out before SentencePiece, as
-  # MarianTokenizer cuts them: the rule rides in the vocabulary's bytes (data/tokenizer.py).
-  vocabulary = with_marian_rules(vocabulary)
-  target_vocabulary = target_vocabulary and with_marian_rules(target_vocabulary)
-  return vocabulary, target_vocabulary, extra, ['vocab.json', 'source.spm', 'target.spm']
-
-
 def read_model(model: str, max_len: int = 512):
   """(config, params, vocabulary, origin, target vocabulary or None) of a MarianMT folder or
   Hub repo id (see the module docstring)."""
@@ -372,17 +325,17 @@ def read_model(model: str, max_len: int = 512):
     raise UserInputError(f'--model={model}: config.json is missing (not a transformers folder)')
   config = hf_files.read_json(config_path, 'config')
   layout = check_config(config, config_path)
-  vocabulary, target_vocabulary, extra, vocab_files = read_vocabulary(
-    folder, layout['hf_vocab_size']
+  vocab = hf_vocabulary.read_vocabulary(
+    folder, layout['hf_vocab_size'], layout['hf_target_vocab_size']
   )
   arrays, weight_files = hf_files.read_weights(folder)
   where = os.path.join(folder, weight_files[0])
-  layout['shared_table'] = layout['tied'] and layout['share']
+  # One table for both sides only where both sides' ids are the same pieces.
+  layout['shared_table'] = layout['tied'] and layout['share'] and not vocab.separate
   max_len = min(max_len, layout['max_position_embeddings'])
-  vocab_size = layout['hf_vocab_size'] + 1 + extra  # Without <pad>, with PAD and BOS.
-  params = map_params(arrays, layout, vocab_size, extra, max_len, where)
+  params = map_params(arrays, layout, vocab, max_len, where)
   model_config = TransformerConfig(
-    vocab_size=vocab_size,
+    vocab_size=vocab.vocab_size,
     max_len=max_len,
     share_embeddings=layout['shared_table'] and layout['scale'],
     pre_norm=False,
@@ -398,12 +351,16 @@ def read_model(model: str, max_len: int = 512):
     'format': 'huggingface-marian',
     'model': model,
     'folder': os.path.abspath(folder),
-    'files': weight_files + vocab_files,
+    'files': weight_files + vocab.files,
     'model_sha256': [paths.file_sha256(os.path.join(folder, f)) for f in weight_files],
     'config': {k: config[k] for k in sorted(config) if isinstance(config[k], (bool, int, str))},
-    'mapped': {**layout, 'pieces_appended_as_unk': extra},
+    'mapped': {
+      **layout,
+      'pieces_appended_as_unk': vocab.extra,
+      'separate_vocabularies': vocab.separate,
+    },
   }
-  return model_config, params, vocabulary, origin, target_vocabulary
+  return model_config, params, vocab.vocabulary, origin, vocab.target_vocabulary
 
 
 def import_hf_model(model: str, workdir: str, *, max_len: int = 512, force: bool = False) -> None:
