@@ -12,18 +12,23 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from transformer_jax.benchmark import ctranslate2_comparison, runner, toolkit, training
+from transformer_jax.benchmark import ctranslate2_comparison, end_to_end, runner, toolkit, training
 from transformer_jax.benchmark import decoding as decode_benchmark
 from transformer_jax.benchmark import flops as flop_count
 from transformer_jax.benchmark import pipeline as input_benchmark
-from transformer_jax.benchmark.report import ctranslate2_table, toolkit_table
+from transformer_jax.benchmark.report import (
+  ctranslate2_table,
+  end_to_end_table,
+  file_table,
+  toolkit_table,
+)
 from transformer_jax.common.errors import UserInputError
 from transformer_jax.configs import default
 from transformer_jax.inference import scoring
 from transformer_jax.model.config import TransformerConfig
 from transformer_jax.model.transformer import Transformer, count_params
 
-from conftest import REPO_ROOT
+from conftest import REPO_ROOT, copied_workdir
 
 
 def _abstract_params(cfg: TransformerConfig):
@@ -239,6 +244,10 @@ def test_cli_writes_a_complete_report(tmp_path):
     '--decode_batch_size=4',
     '--decode_source_length=8',
     '--decode_length=5',
+    '--end_to_end_batch_sizes=4',
+    '--end_to_end_batches=1',
+    '--end_to_end_modes=greedy,beam',
+    '--compare_rounds=1',
     '--pipeline_examples=2000',
     '--pipeline_batches=5',
     # A smaller 'tiny' (fewer FLOPs, same programs) keeps the test fast.
@@ -317,6 +326,9 @@ def test_cli_writes_a_complete_report(tmp_path):
       assert figures[key] > 0, (mode, key)
     assert figures['mean_output_tokens'] == 5  # EOS suppressed: exactly --decode_length.
   assert all(decoding['cache_speedup'][kind] > 0 for kind in ('greedy', 'beam'))
+  (rows,) = report['end_to_end']
+  assert set(rows['batch_sizes']['4']) == {'greedy', 'beam'}
+  assert 'end to end (Translator.translate' in result.stdout
 
   pipeline = report['pipeline']
   assert set(pipeline['modes']) == set(input_benchmark.BATCHING_MODES)
@@ -369,6 +381,9 @@ def test_run_trains_and_decodes_every_size_against_the_runs_fastest_peak(monkeyp
     runner,
     'synthetic_decoding',
     lambda spec, params, **unused: decoded.append((spec.name, params)) or {},
+  )
+  monkeypatch.setattr(
+    runner, 'end_to_end_rows', lambda name, cfg, params, **unused: {'model': name}
   )
   report = runner.run(
     default.get_config(),
@@ -491,3 +506,77 @@ def test_toolkit_section_runs_per_size_after_the_decoding_rows(monkeypatch):
   assert name == 'tiny' and report['toolkit'] == [{}] and report['decoding'] == []
   assert options['rounds'] == runner.Options().compare_rounds
   assert options['peak_flops'] == report['peak']['flops_per_second']
+
+
+def test_end_to_end_rows_time_the_translator_beside_its_own_program_and_ctranslate2():
+  """The decode section's end-to-end rows (issue 49 item 5): every mode's Translator call, the
+  same search program alone on the arguments the Translator passed it, and CTranslate2 decoding
+  the same sentences to the same best hypotheses; one XLA execution per batch."""
+  cfg = TransformerConfig(
+    vocab_size=50, d_model=16, d_ff=32, num_heads=2, num_encoder_layers=1, num_decoder_layers=2
+  )
+  dummy = jnp.ones((1, 1), jnp.int32)
+  params = Transformer(cfg).init(jax.random.PRNGKey(0), dummy, dummy)['params']
+  row = end_to_end.end_to_end_rows(
+    'toy',
+    cfg,
+    params,
+    batch_sizes=[4, 8],
+    batches=2,
+    source_length=8,
+    decode_length=6,
+    beam_size=3,
+    alpha=0.6,
+    rounds=2,
+    compare=['ctranslate2'],
+  )
+  assert row['eos_suppressed'] and row['max_len'] == 8
+  assert set(row['batch_sizes']) == {'4', '8'}
+  for batch_size, modes in row['batch_sizes'].items():
+    assert set(modes) == set(end_to_end.MODES)
+    for mode, figures in modes.items():
+      # 2 batches of each size: one program per batch, and nothing else dispatched (the old
+      # loop ran jnp length penalties per hypothesis: 9 executions per beam batch here).
+      assert figures['batches_launched'] == 2, (batch_size, mode)
+      assert figures['dispatches_per_batch'] == 1, (batch_size, mode)
+      sentences = 2 * int(batch_size)
+      for variant in ('end_to_end', 'program'):
+        each = figures[variant]['seconds_each_round']
+        assert len(each) == 2
+        assert figures[variant]['target_tokens_per_second'] == pytest.approx(
+          sentences * 8 / np.median(each)
+        )
+      share = [
+        (e - p) / e
+        for e, p in zip(
+          figures['end_to_end']['seconds_each_round'], figures['program']['seconds_each_round']
+        )
+      ]
+      assert figures['host_share'] == pytest.approx(np.median(share))
+      if mode == 'greedy':
+        assert figures['same_best_hypothesis'] == 1.0, batch_size
+      if mode == 'beam':
+        # Ours scores the EOS forced at the cap (suppressed by -30, its log-prob depends on the
+        # last token); CTranslate2 stopped by max_decoding_length does not: the same beams,
+        # ranked a little differently (7 of 8 agree here).
+        assert figures['same_best_hypothesis'] >= 0.5, batch_size
+      if mode in ('greedy', 'beam'):
+        assert figures['ratio_min'] <= figures['ratio'] <= figures['ratio_max']
+      else:
+        assert 'ctranslate2' not in figures
+  table = end_to_end_table([row])
+  assert 'host share' in table and len(table.splitlines()) == 1 + 2 + 8, table  # Title, header.
+
+
+def test_the_file_row_runs_the_translate_command_and_ctranslate2s_translate_file(
+  number_words_workdir, tmp_path_factory
+):
+  workdir = copied_workdir(number_words_workdir, tmp_path_factory, 'file_row')
+  row = end_to_end.file_translation(
+    workdir, lines=40, batch_size=16, beam_size=4, alpha=0.6, compare=['ctranslate2']
+  )
+  assert row['lines'] == 40 and row['ours_seconds'] > 0 and row['ctranslate2_seconds'] > 0
+  assert row['ratio'] == pytest.approx(row['ctranslate2_seconds'] / row['ours_seconds'])
+  # The same trained model and beam on both: most lines agree (the length penalties differ).
+  assert row['same_output'] >= 0.5, row
+  assert 'translate_file' in file_table(row)

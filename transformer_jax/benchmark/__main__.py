@@ -13,6 +13,7 @@ from transformer_jax import cli
 from transformer_jax.benchmark import runner
 from transformer_jax.benchmark.report import format_report
 from transformer_jax.benchmark.training import SIZES
+from transformer_jax.common.errors import UserInputError
 from transformer_jax.configs import default_config_file
 from transformer_jax.training import host_memory
 
@@ -118,6 +119,26 @@ def _define_flags():
     'Alternating timed rounds of ours and the compared engine, and of the toolkit rows '
     '(medians reported).',
   )
+  flags.DEFINE_list(
+    'end_to_end_batch_sizes',
+    [str(size) for size in defaults.end_to_end_batch_sizes],
+    "Batch sizes of the decode section's end-to-end rows (Translator calls beside the search "
+    'program alone; empty: none).',
+  )
+  flags.DEFINE_list(
+    'end_to_end_modes',
+    list(defaults.end_to_end_modes),
+    'Modes of the end-to-end rows: some of greedy, beam, sampling, nbest.',
+  )
+  flags.DEFINE_integer(
+    'end_to_end_batches', defaults.end_to_end_batches, 'Batches per end-to-end row.'
+  )
+  flags.DEFINE_integer(
+    'file_lines',
+    defaults.file_lines,
+    "With --workdir: lines of the file the translate command (and CTranslate2's translate_file "
+    'with --compare) translates, timed from the start (0: no file row).',
+  )
 
 
 def main(argv):
@@ -150,6 +171,12 @@ def main(argv):
     seed=FLAGS.seed,
     compare=[engine for engine in FLAGS.compare if engine],
     compare_rounds=FLAGS.compare_rounds,
+    end_to_end_batch_sizes=[
+      _integer(s, 'end_to_end_batch_sizes') for s in FLAGS.end_to_end_batch_sizes if s
+    ],
+    end_to_end_modes=[m for m in FLAGS.end_to_end_modes if m],
+    end_to_end_batches=FLAGS.end_to_end_batches,
+    file_lines=FLAGS.file_lines,
   )
   report = runner.run(
     config,
@@ -160,6 +187,13 @@ def main(argv):
   print(format_report(report))
   if FLAGS.json:
     print(f'wrote {FLAGS.json}')
+
+
+def _integer(text: str, flag: str) -> int:
+  try:
+    return int(text)
+  except ValueError:
+    raise UserInputError(f'--{flag}: {text!r} is not an integer') from None
 
 
 def run():

@@ -142,6 +142,78 @@ def toolkit_table(rows: Sequence[dict]) -> str:
   )
 
 
+def end_to_end_table(rows: Sequence[dict]) -> str:
+  """What users run against the search program alone and CTranslate2 (`end_to_end.py`)."""
+  lines = []
+  for r in rows:
+    for batch_size, modes in r['batch_sizes'].items():
+      for mode, f in modes.items():
+        theirs = f.get('ctranslate2')
+        lines.append(
+          [
+            r['model'],
+            mode,
+            batch_size,
+            f'{f["end_to_end"]["sentences_per_second"]:.1f}',
+            f'{f["end_to_end"]["target_tokens_per_second"]:.0f}',
+            f'{f["program"]["target_tokens_per_second"]:.0f}',
+            f'{f["host_share"]:.1%}',
+            f'{f["dispatches_per_batch"]:.1f}',
+            '-' if theirs is None else f'{theirs["target_tokens_per_second"]:.0f}',
+            '-'
+            if theirs is None
+            else f'{f["ratio"]:.2f}x [{f["ratio_min"]:.2f}, {f["ratio_max"]:.2f}]',
+          ]
+        )
+  first = rows[0]
+  engine = first['ctranslate2']
+  versus = (
+    f'; CTranslate2 {engine["version"]} {engine["compute_type"]}, intra_threads='
+    f'{engine["intra_threads"]}, translate_batch'
+    if engine
+    else ''
+  )
+  return '\n'.join(
+    [
+      'end to end (Translator.translate / hypotheses, text in and out; '
+      f'{first["batches"]} batches, '
+      f'{first["max_len"]} tokens per output; {first["rounds"]} rotated rounds, medians; host '
+      f'share = (end to end - program) / end to end{versus})',
+      _table(
+        [
+          'model',
+          'mode',
+          'batch',
+          'sent/s',
+          'tok/s',
+          'program tok/s',
+          'host share',
+          'dispatches/batch',
+          'ct2 tok/s',
+          'ours / ct2',
+        ],
+        lines,
+      ),
+    ]
+  )
+
+
+def file_table(row: dict) -> str:
+  """The `translate` command over a file against CTranslate2's translate_file."""
+  theirs = row.get('ctranslate2_seconds')
+  return (
+    f'file: translate of {row["lines"]:,} lines (beam {row["beam_size"]}, batch '
+    f"{row['batch_size']}), from the command's start: {row['ours_seconds']:.1f} s "
+    f'({row["ours_sentences_per_second"]:.0f} sentences/s)'
+    + (
+      ''
+      if theirs is None
+      else f'; CTranslate2 translate_file {theirs:.1f} s: ours {row["ratio"]:.2f}x, '
+      f'same output {row["same_output"]:.0%}'
+    )
+  )
+
+
 def format_report(report: dict) -> str:
   m, peak = report['machine'], report['peak']
   out = [
@@ -226,6 +298,10 @@ def format_report(report: dict) -> str:
   compared = [r for r in report.get('decoding', []) if r.get('ctranslate2')]
   if compared:
     out += [ctranslate2_table(compared), '']
+  if report.get('end_to_end'):
+    out += [end_to_end_table(report['end_to_end']), '']
+  if report.get('file_translation'):
+    out += [file_table(report['file_translation']), '']
   if report.get('toolkit'):
     out += [toolkit_table(report['toolkit']), '']
   if report.get('pipeline'):

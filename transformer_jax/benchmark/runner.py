@@ -54,6 +54,7 @@ from transformer_jax.benchmark.ctranslate2_comparison import (
   require_ctranslate2,
 )
 from transformer_jax.benchmark.decoding import benchmark_decoding, suppress_eos, trained_decoding
+from transformer_jax.benchmark.end_to_end import MODES, end_to_end_rows, file_translation
 from transformer_jax.benchmark.flops import FLOPS_FORMULA, PeakTimer
 from transformer_jax.benchmark.pipeline import benchmark_pipeline
 from transformer_jax.benchmark.toolkit import benchmark_toolkit
@@ -191,6 +192,12 @@ class Options:
   seed: int = 0
   compare: Sequence[str] = ()  # Engines decoding beside ours: some of ENGINES.
   compare_rounds: int = 3
+  # The decode section's end-to-end rows (end_to_end.py); () turns them off.
+  end_to_end_batch_sizes: Sequence[int] = (32, 256)
+  end_to_end_modes: Sequence[str] = MODES
+  end_to_end_batches: int = 2
+  # Lines of the file row's file (with --workdir; 0 turns it off).
+  file_lines: int = 10_000
 
 
 def _check_counts(options: Options) -> None:
@@ -206,11 +213,20 @@ def _check_counts(options: Options) -> None:
     'pipeline_batches',
     'pipeline_max_length',
     'compare_rounds',
+    'end_to_end_batches',
   )
-  for name in positive + ('rows_per_device', 'warmup_steps', 'peak_n'):
+  for name in positive + ('rows_per_device', 'warmup_steps', 'peak_n', 'file_lines'):
     value, least = getattr(options, name), 1 if name in positive else 0
     if not is_integer(value) or value < least:
       raise UserInputError(f'--{name} must be an integer >= {least}, got {value!r}')
+  for size in options.end_to_end_batch_sizes:
+    if not is_integer(size) or size < 1:
+      raise UserInputError(f'--end_to_end_batch_sizes: each must be an integer >= 1, got {size!r}')
+  for mode in options.end_to_end_modes:
+    if mode not in MODES:
+      raise UserInputError(
+        f'--end_to_end_modes: unknown mode {mode!r}; expected some of {", ".join(MODES)}'
+      )
   if not options.alpha >= 0:  # NaN too.
     raise UserInputError(f'--alpha must be >= 0, got {options.alpha!r}')
   if options.dropout is not None and not 0 <= options.dropout < 1:
@@ -288,6 +304,7 @@ def run(
     for name in options.sizes
   }
   report['training'], report['decoding'], report['toolkit'] = [], [], []
+  report['end_to_end'] = []
   steps_per_second = {}
   for name, spec in specs.items():
     params = None
@@ -328,6 +345,25 @@ def run(
           progress=progress,
         )
       )
+      if options.end_to_end_batch_sizes and options.end_to_end_modes:
+        report['end_to_end'].append(
+          end_to_end_rows(
+            name,
+            spec.model_config,
+            params,
+            batch_sizes=options.end_to_end_batch_sizes,
+            batches=options.end_to_end_batches,
+            source_length=options.decode_source_length,
+            decode_length=options.decode_length,
+            beam_size=options.beam_size,
+            alpha=options.alpha,
+            rounds=options.compare_rounds,
+            modes=options.end_to_end_modes,
+            seed=options.seed,
+            compare=options.compare,
+            progress=progress,
+          )
+        )
     if 'toolkit' in options.sections:
       progress(f'toolkit: {name}')
       report['toolkit'].append(
@@ -365,6 +401,17 @@ def run(
         alpha=options.alpha,
       )
     )
+    if options.file_lines:
+      progress(f'file translation: {options.file_lines} lines with {options.workdir}')
+      report['file_translation'] = file_translation(
+        options.workdir,
+        lines=options.file_lines,
+        batch_size=options.decode_batch_size,
+        beam_size=options.beam_size,
+        alpha=options.alpha,
+        compare=options.compare,
+        progress=progress,
+      )
 
   if 'pipeline' in options.sections:
     size = options.pipeline_size or (
