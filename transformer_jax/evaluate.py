@@ -2,12 +2,14 @@
 (where it means something) and chrF on detokenized output, with signatures:
 
     python -m transformer_jax.evaluate --workdir=DIR --src=test.en --ref=test.de \
-        [--beam_size=4 --alpha=0.6 --beam_rule=exact --checkpoint=averaged --out=hypotheses.txt]
+        [--beam_size=4 --alpha=0.6 --beam_rule=exact --checkpoint=averaged --dtype=bfloat16
+         --out=hypotheses.txt]
 
 Translates the source file, writes one hypothesis per line, and prints the scores with their
 signatures, so results are comparable with published ones. `--models=DIR,DIR2 --out=FILE`
 evaluates an ensemble; `--sampling`, `--mbr=N` decode otherwise (the first hypothesis is
-scored).
+scored). `--dtype` decodes in another inference dtype (`Translator`), named in the default
+hypotheses file and the summary line where it is not the model's own.
 """
 
 from absl import flags
@@ -27,9 +29,11 @@ def _define_flags():
     'out',
     None,
     'Where to write the hypotheses (default: a file named '
-    'after --src, --checkpoint and the decoding flags in the workdir; needed with --models).',
+    'after --src, --checkpoint, the decoding flags and --dtype in the workdir; needed with '
+    '--models).',
   )
   cli.define_checkpoint_flag()
+  cli.define_dtype_flag()
   flags.DEFINE_integer('beam_size', 4, 'Beam size; 1 = greedy.')
   flags.DEFINE_float('alpha', 0.6, 'Length penalty exponent.')
   cli.define_beam_rule_flag()
@@ -52,6 +56,7 @@ def main(argv):
     alpha=FLAGS.alpha,
     batch_size=FLAGS.batch_size,
     beam_rule=FLAGS.beam_rule,
+    dtype=FLAGS.dtype,
     **cli.sampling_flag_values(FLAGS),
   )
   print('\n'.join(test_set.report_lines(result)))

@@ -84,17 +84,21 @@ def evaluate_files(
   alpha: float = 0.6,
   batch_size: int = 64,
   beam_rule: str = 'exact',
+  dtype: str | None = None,
   **options,
 ) -> dict:
   """The `evaluate` command: translates `src` with a workdir's model (or an ensemble,
   `models`/`weights` as `inference.models.choose` takes them), scores it against `ref`, writes
   the hypotheses (to `out`, default in the workdir; an ensemble's need `out`); returns
-  `evaluate`'s dict plus 'hypotheses_file' (the file written) and 'decoding' (`describe`).
-  `options`: the other `DecodingOptions` fields (sampling, its settings, seed, mbr; one
-  hypothesis per source is scored)."""
+  `evaluate`'s dict plus 'hypotheses_file' (the file written), 'decoding' (`describe`) and
+  'dtype' (the inference dtype decoded in). dtype: the inference dtype (`Translator`; None: the
+  model's own); one other than the model's own is named in 'decoding' and in the default
+  hypotheses file, so that evaluations in two dtypes keep both outputs. `options`: the other
+  `DecodingOptions` fields (sampling, its settings, seed, mbr; one hypothesis per source is
+  scored)."""
   decoding = DecodingOptions(beam_size=beam_size, alpha=alpha, beam_rule=beam_rule, **options)
   decoding.check()
-  check_decoding_options(beam_size, alpha, batch_size, beam_rule)
+  check_decoding_options(beam_size, alpha, batch_size, beam_rule, dtype)
   choice = model_choice.choose(workdir, models, checkpoint, weights)
   sources, references = text_io.read_lines(src, '--src'), text_io.read_lines(ref, '--ref')
   for flag, path, lines in (('--src', src, sources), ('--ref', ref, references)):
@@ -103,13 +107,18 @@ def evaluate_files(
   if len(sources) != len(references):
     raise UserInputError(f'{src} has {len(sources)} lines but {ref} has {len(references)}')
   first_workdir = choice.workdirs[0]
+  saved = Workdir(first_workdir).read_run_config_if_present() or {}
+  own_dtype = saved.get('model', {}).get('dtype', 'float32')
+  # Named only where it changes the computation: the model's own dtype, given or not, keeps the
+  # names and descriptions evaluations had before --dtype.
+  named_dtype = dtype if dtype not in (None, own_dtype) else None
   # Before the test set is translated: the hypotheses must have somewhere to go.
   if out:
     text_io.check_writable_output(out, '--out')
   elif choice.ensemble:
     raise UserInputError("--models needs --out: an ensemble's hypotheses belong to no one workdir")
   else:
-    out = _default_hypotheses_file(Workdir(first_workdir), src, checkpoint, decoding)
+    out = _default_hypotheses_file(Workdir(first_workdir), src, checkpoint, decoding, named_dtype)
     text_io.check_writable_output(out, '--out', make_folders=True)
   for folder in choice.workdirs:
     paths.check_outputs_apart(
@@ -118,8 +127,7 @@ def evaluate_files(
       {choice.flag: folder},
       run_outputs=(Workdir(folder).hypotheses_folder,) if not choice.ensemble else (),
     )
-  translator = model_choice.load(choice=choice, batch_size=batch_size)
-  saved = Workdir(first_workdir).read_run_config_if_present() or {}
+  translator = model_choice.load(choice=choice, batch_size=batch_size, dtype=dtype)
   dataset = saved.get('config', {}).get('dataset')
   language = saved.get('config', {}).get('data', {}).get('tgt_lang')
   hypotheses, result = evaluate(
@@ -135,12 +143,20 @@ def evaluate_files(
     **options,
   )
   text_io.write_lines(hypotheses, out, flag='--out')
-  return dict(result, hypotheses_file=out, decoding=describe(decoding))
+  return dict(
+    result,
+    hypotheses_file=out,
+    decoding=describe(decoding, named_dtype),
+    dtype=dtype or own_dtype,
+  )
 
 
-def _default_hypotheses_file(workdir: Workdir, src: str, checkpoint, decoding: DecodingOptions):
-  """`Workdir.hypotheses_file`, its name also saying how sampling and MBR were set (so that a
-  sweep over them keeps each run's output); beam search's names are unchanged."""
+def _default_hypotheses_file(
+  workdir: Workdir, src: str, checkpoint, decoding: DecodingOptions, dtype: str | None = None
+):
+  """`Workdir.hypotheses_file`, its name also saying how sampling and MBR were set and the
+  inference dtype where one is named (so that a sweep over them keeps each run's output); beam
+  search's names in the model's own dtype are unchanged."""
   path = workdir.hypotheses_file(
     src, checkpoint, decoding.beam_size, decoding.alpha, decoding.beam_rule
   )
@@ -152,11 +168,14 @@ def _default_hypotheses_file(workdir: Workdir, src: str, checkpoint, decoding: D
     )
   if decoding.mbr:
     mode += f'.mbr{decoding.mbr}'
+  if dtype:
+    mode += f'.{dtype}'
   return path.with_name(path.name.removesuffix('.txt') + mode + '.txt') if mode else path
 
 
-def describe(decoding: DecodingOptions) -> str:
-  """How the hypotheses were made, for evaluate's summary line."""
+def describe(decoding: DecodingOptions, dtype: str | None = None) -> str:
+  """How the hypotheses were made, for evaluate's summary line; dtype: the inference dtype,
+  where it is not the model's own."""
   if decoding.sampling:
     text = f'sampling, temperature {decoding.sampling_temperature:g}, seed {decoding.seed}'
     if decoding.sampling_topk:
@@ -167,7 +186,7 @@ def describe(decoding: DecodingOptions) -> str:
     text = f'beam {decoding.beam_size}, alpha {decoding.alpha:g}'
   if decoding.mbr:
     text = f'MBR over {decoding.mbr} candidates ({text})'
-  return text
+  return f'{text}, {dtype}' if dtype else text
 
 
 def report_lines(result: dict) -> list[str]:
