@@ -139,6 +139,14 @@ def test_sizes_are_the_documented_models():
       '--compare compares decoding: add decode to --sections',
     ),
     (dict(compare_rounds=0), '--compare_rounds must be an integer >= 1, got 0'),
+    (
+      dict(end_to_end_batch_sizes=['32', 'x']),
+      "--end_to_end_batch_sizes: each must be an integer >= 1, got 'x'",
+    ),
+    (
+      dict(end_to_end_modes=['beam', 'topk']),
+      "--end_to_end_modes: unknown mode 'topk'; expected some of greedy, beam, sampling, nbest",
+    ),
   ],
 )
 def test_impossible_options_are_one_line_errors_before_anything_runs(change, message):

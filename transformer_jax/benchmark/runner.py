@@ -220,7 +220,8 @@ def _check_counts(options: Options) -> None:
     if not is_integer(value) or value < least:
       raise UserInputError(f'--{name} must be an integer >= {least}, got {value!r}')
   for size in options.end_to_end_batch_sizes:
-    if not is_integer(size) or size < 1:
+    # The flag gives strings ('32'), the library integers.
+    if not (is_integer(size) or (isinstance(size, str) and size.isdigit())) or int(size) < 1:
       raise UserInputError(f'--end_to_end_batch_sizes: each must be an integer >= 1, got {size!r}')
   for mode in options.end_to_end_modes:
     if mode not in MODES:
@@ -273,6 +274,9 @@ def run(
   """Runs the benchmark; returns the report, also written as JSON to `json_path` if given
   (checked before anything runs)."""
   _check_before_running(options, json_path)
+  options = dataclasses.replace(
+    options, end_to_end_batch_sizes=[int(size) for size in options.end_to_end_batch_sizes]
+  )
   accelerator = jax.devices()[0].platform != 'cpu'
   dtype = options.dtype or ('bfloat16' if accelerator else 'float32')
   peak_n = options.peak_n or (8192 if accelerator else 2048)
