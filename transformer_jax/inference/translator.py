@@ -41,6 +41,7 @@ __all__ = [
   'AttentionMaps',
   'DecodingOptions',
   'Hypothesis',
+  'PendingHypotheses',
   'Translator',
   'check_decoding_options',
   'forget_programs',
@@ -49,6 +50,20 @@ __all__ = [
 # Batches dispatched ahead of the one being read back and post-processed: the host's work on
 # batch i (detokenizing, ranking, MBR) overlaps the device's on batch i + 1.
 BATCHES_IN_FLIGHT = 1
+
+
+@dataclasses.dataclass(eq=False)
+class PendingHypotheses:
+  """A `Translator.launch_hypotheses` call between its halves: the batches not dispatched yet,
+  those in flight (at most `BATCHES_IN_FLIGHT` + 1) and the results read back so far."""
+
+  options: DecodingOptions
+  scored: bool
+  rows: int  # sources per batch
+  batches: collections.deque  # [batches.Job] lists, shortest first, not dispatched yet
+  results: list  # [Hypothesis] per sentence, in input order
+  bar: Progress
+  in_flight: collections.deque = dataclasses.field(default_factory=collections.deque)
 
 
 class _Programs(NamedTuple):
@@ -287,6 +302,29 @@ class Translator:
       sentences, decoding, target_prefix, progress, scored=True, draw_positions=draw_positions
     )
 
+  def launch_hypotheses(
+    self,
+    sentences: Sequence[str],
+    beam_size: int = 4,
+    alpha: float = 0.6,
+    *,
+    target_prefix: Sequence[str | None] | None = None,
+    draw_positions: Sequence[int] | None = None,
+    **options,
+  ) -> PendingHypotheses:
+    """`hypotheses` in two halves, for a caller with its own batches to overlap (the server's
+    batcher): this one encodes the sentences and dispatches their first batch, then returns;
+    `finish_hypotheses` dispatches the others (one ahead, as `hypotheses` does) and returns
+    exactly what `hypotheses` would have."""
+    decoding = DecodingOptions(beam_size=beam_size, alpha=alpha, **options).check()
+    return self._start(
+      sentences, decoding, target_prefix, False, scored=True, draw_positions=draw_positions
+    )
+
+  def finish_hypotheses(self, pending: PendingHypotheses) -> list[list[Hypothesis]]:
+    """The hypotheses of a `launch_hypotheses` call, in input order."""
+    return self._complete(pending)
+
   def _hypotheses(
     self,
     sentences: Sequence[str],
@@ -305,12 +343,27 @@ class Translator:
     explicit fetch back (`_finish`); everything per hypothesis (penalties, sums, ranking,
     text) is NumPy and Python on that fetch. Batch i + 1 is dispatched before batch i is read
     back (`BATCHES_IN_FLIGHT`), so the host's work overlaps the device's."""
+    pending = self._start(
+      sentences, options, target_prefix, progress, scored=scored, draw_positions=draw_positions
+    )
+    return self._complete(pending)
+
+  def _start(
+    self,
+    sentences: Sequence[str],
+    options: DecodingOptions,
+    target_prefix: Sequence[str | None] | None,
+    progress: bool,
+    *,
+    scored: bool,
+    draw_positions: Sequence[int] | None = None,
+  ) -> PendingHypotheses:
+    """The loop's first half: the batches made and the first one dispatched."""
     jobs = batches.encode_sources(sentences, self.tokenizer, self.model_config.max_len)
     if target_prefix is not None:
       batches.add_prefixes(jobs, target_prefix, self.target_tokenizer, len(sentences))
     if draw_positions is not None:
       batches.set_draw_positions(jobs, draw_positions, len(sentences))
-    results: list[list[Hypothesis]] = [[] for _ in sentences]
     rows_per_batch = batches.sentences_per_batch(self.batch_size, options)
     order = batches.by_length(jobs)
     # Blank lines are translated already (to blank lines): counted from the start.
@@ -321,23 +374,36 @@ class Translator:
       description='translating',
       enabled=None if progress else False,
     )
-    in_flight: collections.deque = collections.deque()
+    batched = [
+      [jobs[i] for i in order[start : start + rows_per_batch]]
+      for start in range(0, len(order), rows_per_batch)
+    ]
+    pending = PendingHypotheses(
+      options, scored, rows_per_batch, collections.deque(batched), [[] for _ in sentences], bar
+    )
+    if pending.batches:
+      first = pending.batches.popleft()
+      pending.in_flight.append(self._launch(first, rows_per_batch, options, scored))
+    return pending
+
+  def _complete(self, pending: PendingHypotheses) -> list[list[Hypothesis]]:
+    """The loop's second half: each other batch dispatched, then the oldest read back."""
+    options, scored, in_flight = pending.options, pending.scored, pending.in_flight
 
     def finish_oldest() -> None:
       batch, arrays, outputs = in_flight.popleft()
       for job, found in zip(batch, self._finish(batch, arrays, outputs, options, scored)):
-        results[job.index] = found
-      bar.update(len(batch))
+        pending.results[job.index] = found
+      pending.bar.update(len(batch))
 
-    for start in range(0, len(order), rows_per_batch):
-      batch = [jobs[i] for i in order[start : start + rows_per_batch]]
-      in_flight.append(self._launch(batch, rows_per_batch, options, scored))
+    while pending.batches:
+      in_flight.append(self._launch(pending.batches.popleft(), pending.rows, options, scored))
       if len(in_flight) > BATCHES_IN_FLIGHT:
         finish_oldest()
     while in_flight:
       finish_oldest()
-    bar.close()
-    return results
+    pending.bar.close()
+    return pending.results
 
   def _launch(self, batch: list[batches.Job], rows: int, options: DecodingOptions, scored: bool):
     """Dispatches one batch's search (at most `rows` sources, padded to `rows`): its inputs

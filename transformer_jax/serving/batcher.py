@@ -16,6 +16,13 @@ waits for them up to `max_wait_s` after it is free again, however long the oldes
 answered without waiting (after one wait at most, when traffic falls), while N clients that
 send again as soon as they are answered are gathered into batches of N again, rather than of
 the first one to come back and then of the N - 1 that queued while it was decoded.
+
+One batch is kept in flight with an engine that `overlaps` (JAX's): batch i + 1 is launched
+before batch i is read back and answered: the next batch of the round, or the first of the next
+round when one would be taken at once anyway (a full batch queued, a flush, no max_wait: what
+waiting expects is unchanged). Otherwise batch i is finished at once: no request waits for one
+behind it. A round's requests are answered when its last batch is; a failure fails the whole
+round's requests, and only theirs.
 """
 
 from __future__ import annotations
@@ -44,13 +51,17 @@ class Engine:
 
   `decode` is the one method an engine must have: at most `max_batch_size` sentences in, one
   result per sentence out, in order (a list of `Hypothesis`, best first; [] for a blank
-  sentence). The others have defaults: sorting by characters, no request checks, no warm-up,
-  no compilation counter, no attention maps. `check` is called by the request handlers; every
+  sentence). The others have defaults: `launch` and `finish`, decode's two halves (by default
+  all the work is in `launch`), sorting by characters, no request checks, no warm-up, no
+  compilation counter, no attention maps. `check` is called by the request handlers; every
   other method from the batcher's one worker thread.
   """
 
   name = 'engine'
   max_batch_size = 1
+  # Whether `launch` returns before the batch is decoded (the device works while the batcher
+  # launches the next batch); else each batch is finished before the next is launched.
+  overlaps = False
   # Whether a sampling request's "seed" determines its draws (else a request giving one is a 400).
   seeded_sampling = True
   has_attention = False  # Whether `attention` is implemented (else /v1/attention is a 501).
@@ -65,6 +76,22 @@ class Engine:
     """target_prefix: one text or None per sentence (None: no sentence has one);
     draw_positions: each sentence's index in its own request."""
     raise NotImplementedError
+
+  def launch(
+    self,
+    sentences: Sequence[str],
+    options: DecodingOptions,
+    target_prefix: Sequence[str | None] | None,
+    draw_positions: Sequence[int],
+  ) -> Any:
+    """`decode`'s first half, returning what `finish` needs. An engine that `overlaps`
+    dispatches the batch and returns; by default (an engine that cannot, as CTranslate2's) it
+    decodes now."""
+    return self.decode(sentences, options, target_prefix, draw_positions)
+
+  def finish(self, launched: Any) -> list:
+    """`decode`'s second half: the results of a `launch`ed batch."""
+    return launched
 
   def check(
     self,
@@ -265,26 +292,30 @@ class Batcher:
       self._thread.join(timeout)
     return not self._thread.is_alive()
 
-  def _take(self) -> list[Ticket] | None:
-    """Waits for a batch's worth of requests (or max_wait); None when closed and empty."""
+  def _take(self, ending: _Round | None = None) -> list[Ticket] | None:
+    """Waits for a batch's worth of requests (or max_wait); None when closed and empty.
+
+    With `ending`, a round whose last batch is still being decoded, it waits for nothing: it
+    takes the requests that would go at once if that round ended now (a full batch queued, a
+    flush, no max_wait), else returns None, and the round is finished first. A job waits for it:
+    it runs alone."""
     with self._condition:
-      while True:
-        while not self._queue and not self._closing:
-          self._condition.wait()
-        if not self._queue:
+      if ending is not None:
+        if not self._queue or self._queue[0].job is not None:
           return None
-        head = self._queue[0]
-        # Companions are waited for from when the worker was free: requests that queued during
-        # the last decode have waited already, but their companions can only come now.
-        deadline = max(head.enqueued, self._free_since) + self.max_wait_s
-        if (
-          head.job is not None
-          or self._queued_sentences >= self._expected
-          or self._flush
-          or time.monotonic() >= deadline
-        ):
-          break
-        self._condition.wait(deadline - time.monotonic())
+        # What that round's end will expect (`_end`), its companions waited for from now.
+        expected = min(self.max_batch_size, ending.sentences + self._queued_sentences)
+        if not self._ready(expected, time.monotonic()):
+          return None
+      else:
+        while True:
+          while not self._queue and not self._closing:
+            self._condition.wait()
+          if not self._queue:
+            return None
+          if self._ready(self._expected, self._free_since):
+            break
+          self._condition.wait(self._deadline(self._free_since) - time.monotonic())
       taken, sentences = [], 0
       while self._queue and (not taken or self._fits(self._queue[0], sentences)):
         ticket = self._queue.popleft()
@@ -293,62 +324,177 @@ class Batcher:
         sentences += len(ticket.sentences)
         if ticket.job is not None:
           break
-      self._in_flight = len(taken)
+      self._in_flight += len(taken)
       return taken
+
+  def _deadline(self, free_since: float) -> float:
+    # Companions are waited for from when the worker was free: requests that queued during
+    # the last decode have waited already, but their companions can only come now.
+    return max(self._queue[0].enqueued, free_since) + self.max_wait_s
+
+  def _ready(self, expected: int, free_since: float) -> bool:
+    """Whether the queue's head goes now (called holding the lock, the queue not empty)."""
+    return (
+      self._queue[0].job is not None
+      or self._queued_sentences >= expected
+      or self._flush
+      or time.monotonic() >= self._deadline(free_since)
+    )
 
   def _fits(self, ticket: Ticket, sentences: int) -> bool:
     return ticket.job is None and sentences + len(ticket.sentences) <= self.max_batch_size
 
   def _work(self) -> None:
-    while (taken := self._take()) is not None:
-      taken = [ticket for ticket in taken if ticket.future.set_running_or_notify_cancel()]
-      try:
-        if taken and taken[0].job is not None:
-          taken[0].future.set_result(taken[0].job())
-        elif taken:
-          self._decode(taken)
-      except BaseException as error:  # pylint: disable=broad-except
-        logging.exception('decoding failed')
-        for ticket in taken:
-          if not ticket.future.done():
-            ticket.future.set_exception(error)
-      finally:
-        with self._condition:
-          self._in_flight = 0
-          decoded = sum(len(ticket.sentences) for ticket in taken)
-          if decoded:  # A round of sentences (not a job): expect as many next time.
-            self._expected = min(self.max_batch_size, decoded + self._queued_sentences)
-          self._free_since = time.monotonic()
+    """Rounds of requests, their batches launched one ahead: batch i + 1 (the round's next, or
+    the next round's first when one is ready: `_take(ending=...)`) is dispatched before batch
+    i is read back and answered, so that the host's work on i overlaps the device's on i + 1.
+    With nothing ready the batch in flight is finished at once: no request waits for another."""
+    pending: _Batch | None = None  # Launched, not finished yet.
+    while True:
+      taken = self._take(ending=pending.round if pending else None)
+      if taken is not None:
+        pending = self._run(taken, pending)
+      elif pending is not None:
+        self._finish(pending)
+        pending = None
+      else:
+        return  # Closed, and nothing is queued.
 
-  def _decode(self, tickets: list[Ticket]) -> None:
-    """One engine call per batch of one decoding key; each ticket gets its own answers."""
-    outputs: dict[int, list] = {id(ticket): [None] * len(ticket.sentences) for ticket in tickets}
+  def _run(self, taken: list[Ticket], pending: _Batch | None) -> _Batch | None:
+    """Starts a round: a job runs alone (never taken beside a batch in flight); sentences are
+    launched a batch at a time, each before the one before it is finished. Returns the batch
+    left in flight, if any."""
+    tickets = [ticket for ticket in taken if ticket.future.set_running_or_notify_cancel()]
+    round_ = _Round(
+      len(taken), tickets, {id(ticket): [None] * len(ticket.sentences) for ticket in tickets}
+    )
+    batches: list = []
+    try:
+      if tickets and tickets[0].job is not None:
+        tickets[0].future.set_result(tickets[0].job())
+      else:
+        batches = self._batches(tickets)
+    except BaseException as error:  # pylint: disable=broad-except
+      round_.error = error
+    for key, chunk in batches:
+      batch = [entry for entry in chunk if not entry[0].abandoned]  # Timed out meanwhile?
+      if not batch:
+        continue
+      began = time.perf_counter()
+      try:
+        launched = _Batch(round_, batch, self._launch(key, batch))
+      except BaseException as error:  # pylint: disable=broad-except
+        if pending is not None:  # An earlier batch: its answers, or its error first.
+          self._finish(pending)
+          pending = None
+        round_.error = round_.error or error
+        break
+      launched.seconds = time.perf_counter() - began
+      round_.unfinished += 1
+      if pending is not None:
+        self._finish(pending)
+      pending = launched
+      if round_.error is not None:  # The batch before it failed: the round is lost.
+        round_.unfinished -= 1
+        pending = None
+        break
+      if not self.engine.overlaps:  # Its work is done already: answer before the next.
+        self._finish(pending)
+        pending = None
+    round_.launched = True
+    if not round_.unfinished:
+      self._end(round_)
+    return pending
+
+  def _batches(self, tickets: list[Ticket]) -> list[tuple[DecodingKey, list]]:
+    """A round's batches, in order: by decoding key, sorted by length, `max_batch_size`
+    sentences each, as (key, [(ticket, index in the ticket, length)])."""
     groups: dict[DecodingKey, list[tuple[Ticket, int, int]]] = collections.defaultdict(list)
     for ticket in tickets:
       for index, sentence in enumerate(ticket.sentences):
         groups[ticket.key].append((ticket, index, self.engine.length(sentence)))
+    found = []
     for key, entries in groups.items():
       entries.sort(key=lambda entry: entry[2])
       for start in range(0, len(entries), self.max_batch_size):
-        chunk = entries[start : start + self.max_batch_size]
-        batch = [entry for entry in chunk if not entry[0].abandoned]  # Timed out meanwhile?
-        if not batch:
-          continue
-        began = time.perf_counter()
-        prefixes = None
-        if any(ticket.target_prefix is not None for ticket, _, _ in batch):
-          prefixes = [
-            None if ticket.target_prefix is None else ticket.target_prefix[index]
-            for ticket, index, _ in batch
-          ]
-        results = self.engine.decode(
-          [ticket.sentences[index] for ticket, index, _ in batch],
-          key,
-          prefixes,
-          [index for _, index, _ in batch],
-        )
-        self.metrics.batch(len(batch), time.perf_counter() - began)
-        for (ticket, index, _), result in zip(batch, results, strict=True):
-          outputs[id(ticket)][index] = result
-    for ticket in tickets:
-      ticket.future.set_result(outputs[id(ticket)])
+        found.append((key, entries[start : start + self.max_batch_size]))
+    return found
+
+  def _launch(self, key: DecodingKey, batch: list) -> Any:
+    """One engine call per batch of one decoding key, each sentence with its own prefix."""
+    prefixes = None
+    if any(ticket.target_prefix is not None for ticket, _, _ in batch):
+      prefixes = [
+        None if ticket.target_prefix is None else ticket.target_prefix[index]
+        for ticket, index, _ in batch
+      ]
+    return self.engine.launch(
+      [ticket.sentences[index] for ticket, index, _ in batch],
+      key,
+      prefixes,
+      [index for _, index, _ in batch],
+    )
+
+  def _finish(self, batch: _Batch) -> None:
+    """Reads a launched batch back into its round's answers; ends the round after its last."""
+    round_ = batch.round
+    round_.unfinished -= 1
+    if round_.error is None:  # Else the round is lost: its batch in flight is dropped.
+      began = time.perf_counter()
+      try:
+        results = self.engine.finish(batch.handle)
+        # The worker's time on this batch, launch and finish (not the others' in between).
+        self.metrics.batch(len(batch.entries), batch.seconds + time.perf_counter() - began)
+        for (ticket, index, _), result in zip(batch.entries, results, strict=True):
+          round_.outputs[id(ticket)][index] = result
+      except BaseException as error:  # pylint: disable=broad-except
+        round_.error = error
+    if round_.launched and not round_.unfinished:
+      self._end(round_)
+
+  def _end(self, round_: _Round) -> None:
+    """Answers each request of a round (a failure fails them all, as one batch's failure did
+    when the round was decoded in one go), then what the next round waits for."""
+    try:
+      if round_.error is not None:
+        raise round_.error
+      for ticket in round_.tickets:
+        if not ticket.future.done():  # A job's is: it ran.
+          ticket.future.set_result(round_.outputs[id(ticket)])
+    except BaseException as error:  # pylint: disable=broad-except
+      logging.exception('decoding failed')
+      for ticket in round_.tickets:
+        if not ticket.future.done():
+          ticket.future.set_exception(error)
+    finally:
+      with self._condition:
+        self._in_flight -= round_.taken
+        if round_.sentences:  # A round of sentences (not a job): expect as many next time.
+          self._expected = min(self.max_batch_size, round_.sentences + self._queued_sentences)
+        self._free_since = time.monotonic()
+
+
+@dataclasses.dataclass(eq=False)
+class _Round:
+  """Requests taken together (`Batcher._take`), answered together once their batches are."""
+
+  taken: int  # Requests taken (`Batcher._in_flight`), cancelled ones included.
+  tickets: list[Ticket]  # Those still wanted.
+  outputs: dict[int, list]  # Each ticket's results, by id(ticket).
+  unfinished: int = 0  # Batches launched and not finished.
+  launched: bool = False  # Every batch of it launched (or given up).
+  error: BaseException | None = None  # The first failure: every ticket's answer.
+
+  @property
+  def sentences(self) -> int:
+    return sum(len(ticket.sentences) for ticket in self.tickets)
+
+
+@dataclasses.dataclass(eq=False)
+class _Batch:
+  """A launched engine call: its entries, the engine's handle, the worker's time on it."""
+
+  round: _Round
+  entries: list  # (ticket, index in the ticket, length)
+  handle: Any
+  seconds: float = 0.0

@@ -26,7 +26,7 @@ from transformer_jax.data.tokenizer import EOS_ID
 from transformer_jax.inference import batches
 from transformer_jax.inference.decoding import EXTRA_DECODE_LENGTH, source_bucket
 from transformer_jax.inference.options import DecodingOptions, Hypothesis
-from transformer_jax.inference.translator import AttentionMaps, Translator
+from transformer_jax.inference.translator import AttentionMaps, PendingHypotheses, Translator
 from transformer_jax.serving.batcher import Engine
 from transformer_jax.serving.decoding_modes import Served
 
@@ -88,6 +88,8 @@ class JaxEngine(Engine):
 
   name = 'jax'
   has_attention = True
+  # `launch` only dispatches (`Translator.launch_hypotheses`): the batcher keeps a batch in flight.
+  overlaps = True
 
   def __init__(
     self, translator: Translator, max_batch_size: int, counter: CompileCounter | None = None
@@ -160,12 +162,23 @@ class JaxEngine(Engine):
     target_prefix: Sequence[str | None] | None,
     draw_positions: Sequence[int],
   ) -> list[list[Hypothesis]]:
+    return self.finish(self.launch(sentences, options, target_prefix, draw_positions))
+
+  def launch(
+    self,
+    sentences: Sequence[str],
+    options: DecodingOptions,
+    target_prefix: Sequence[str | None] | None,
+    draw_positions: Sequence[int],
+  ) -> tuple[str, Translator, PendingHypotheses]:
+    """Dispatches the batch (its first Translator batch: sampling's may need several) and
+    returns; `finish` reads it back."""
     rows = sum(1 for sentence in sentences if sentence.strip())  # Blank ones are not decoded.
     if rows > self.max_batch_size:
       raise ValueError(f'{rows} sentences in one batch; at most {self.max_batch_size}')
     translator = self._translator(self.batch_size_for(rows, options))
-    with self._counting(options.mode):
-      return translator.hypotheses(
+    with self._counting(options.mode):  # jit compiles when it dispatches.
+      pending = translator.launch_hypotheses(
         list(sentences),
         options.beam_size,
         options.alpha,
@@ -173,6 +186,12 @@ class JaxEngine(Engine):
         draw_positions=draw_positions,
         **_other_fields(options),
       )
+    return options.mode, translator, pending
+
+  def finish(self, launched: tuple[str, Translator, PendingHypotheses]) -> list[list[Hypothesis]]:
+    mode, translator, pending = launched
+    with self._counting(mode):  # It dispatches the batch's other Translator batches, if any.
+      return translator.finish_hypotheses(pending)
 
   def _counting(self, mode: str):
     return self.counter.counting(mode) if self.counter else contextlib.nullcontext()
