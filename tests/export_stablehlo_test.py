@@ -313,3 +313,88 @@ def test_the_export_command_writes_stablehlo_and_refuses_quantization(workdir, t
   assert result.returncode == 2
   assert result.stderr.strip().startswith('error: ') and '\n' not in result.stderr.strip()
   assert not (tmp_path / 'q').exists()
+
+
+# --- --dtype (issue 49 item 4) -------------------------------------------------------------------
+
+
+@pytest.fixture(scope='module')
+def exported_bfloat16(workdir, tmp_path_factory):
+  out = str(tmp_path_factory.mktemp('stablehlo') / 'model_bfloat16')
+  assert stablehlo.export(workdir, out, dtype='bfloat16') == out
+  return out
+
+
+@pytest.mark.parametrize('beam_size', [4, 1])
+def test_a_bfloat16_export_translates_as_the_bfloat16_translator(
+  beam_size, exported_bfloat16, workdir, sentences, ours
+):
+  # In the same batches: in bfloat16 a batch's shape and length bucket change roundings that
+  # decide this 30-step model's near ties, for the Translator itself too (11 of these 50
+  # differ between its batch sizes 64 and 13, 2026-12-07), which float32's do not.
+  batch_size = _BEAM_BATCH_SIZE if beam_size > 1 else _GREEDY_BATCH_SIZE
+  reference = Translator.from_checkpoint(workdir, batch_size=batch_size, dtype='bfloat16')
+  expected = reference.translate(sentences, beam_size=beam_size, alpha=0.6)
+  runner = stablehlo_runner.ExportedTranslator(exported_bfloat16)
+  found = runner.translate(sentences, beam_size=beam_size, alpha=0.6, batch_size=batch_size)
+  assert not _differing(sentences, expected, found)
+  assert len(set(expected)) >= 10
+  # The runner computes in bfloat16: not float32's outputs by another route (this model has
+  # 30 steps, so its near ties tell the dtypes apart).
+  assert expected != ours['beam' if beam_size > 1 else 'greedy']
+
+
+def test_a_bfloat16_export_stores_its_matrices_in_bfloat16(exported_bfloat16, workdir):
+  with open(os.path.join(exported_bfloat16, 'manifest.json'), encoding='utf-8') as f:
+    manifest = json.load(f)
+  assert manifest['dtype'] == 'bfloat16' and manifest['model']['dtype'] == 'bfloat16'
+  by_name = manifest['parameters']['dtypes_by_name']
+  assert 'bfloat16' in manifest['parameters']['dtypes']
+  # The Translator's parameters in bfloat16 (`cast_params`), name by name.
+  reference = Translator.from_checkpoint(workdir, dtype='bfloat16')
+  flat = stablehlo.flatten_parameters(reference.params)
+  assert by_name == {name: str(value.dtype) for name, value in flat.items()}
+  assert by_name['shared_embedding/embedding'] == 'bfloat16'
+  assert by_name['encoder_layers/ffn/wi/kernel'] == 'bfloat16'
+  with np.load(os.path.join(exported_bfloat16, 'parameters.npz'), allow_pickle=False) as stored:
+    for name, value in flat.items():
+      # bfloat16 as its uint16 bit patterns (2 bytes each): NumPy has no bfloat16 to name.
+      assert stored[name].dtype == (np.uint16 if value.dtype == jax.numpy.bfloat16 else value.dtype)
+  loaded = stablehlo_runner.load_parameters(
+    os.path.join(exported_bfloat16, 'parameters.npz'), manifest['parameters']
+  )
+  for name, value in flat.items():
+    assert loaded[name].dtype == value.dtype
+    np.testing.assert_array_equal(loaded[name].astype(np.float32), value.astype(np.float32))
+  with open(os.path.join(exported_bfloat16, 'greedy.jax_export'), 'rb') as f:
+    search = jax_export.deserialize(bytearray(f.read()))
+  kernels = [aval for aval in search.in_avals[:-3] if aval.ndim >= 2]
+  assert kernels and all(aval.dtype == jax.numpy.bfloat16 for aval in kernels)
+  with open(os.path.join(exported_bfloat16, 'README.md'), encoding='utf-8') as f:
+    assert 'computing in bfloat16' in f.read()
+
+
+def test_the_export_command_takes_a_dtype_for_stablehlo_only(workdir, tmp_path):
+  command = [sys.executable, '-m', 'transformer_jax.export', f'--workdir={workdir}']
+  result = subprocess.run(
+    [*command, '--format=stablehlo', f'--out={tmp_path / "half"}', '--dtype=float16'],
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert result.returncode == 0, result.stderr[-3000:]
+  manifest = json.loads((tmp_path / 'half' / 'manifest.json').read_text())
+  assert manifest['dtype'] == 'float16' and 'float16' in manifest['parameters']['dtypes']
+  result = subprocess.run(
+    [*command, '--format=ctranslate2', f'--out={tmp_path / "ct2"}', '--dtype=bfloat16'],
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert result.returncode == 2
+  assert result.stderr.strip() == (
+    'error: --dtype=bfloat16 is for --format=stablehlo; with --format=ctranslate2 give '
+    '--quantization=bfloat16 (the weights are stored in it; CTranslate2 chooses the type it '
+    'computes in when it loads the model, compute_type=)'
+  )
+  assert not (tmp_path / 'ct2').exists()

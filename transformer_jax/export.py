@@ -2,18 +2,27 @@
 
     python -m transformer_jax.export --workdir=DIR --format=ctranslate2 --out=MODEL_DIR \\
         [--quantization=int8|int16|float16|float32] [--checkpoint=averaged|latest|STEP]
+    python -m transformer_jax.export --workdir=DIR --format=stablehlo --out=MODEL_DIR \
+        [--dtype=float32|bfloat16|float16] [--checkpoint=averaged|latest|STEP]
 
 --format=ctranslate2 writes a CTranslate2 model directory (CTranslate2's TransformerSpec, with
 the vocabulary, the SentencePiece model and a README showing how to load it); it needs the
 `[export]` extra (`pip install 'transformer_jax[export]'`). See exporters/ctranslate2_spec.py.
 --format=stablehlo writes the whole greedy and beam-4 searches as `jax.export` artifacts with the
 parameters, the SentencePiece model and a `translate.py` that needs only jax, numpy and
-sentencepiece. See exporters/stablehlo.py.
+sentencepiece; --dtype is what those searches compute in and the parameters' matrices are
+stored in (default: the model's own). See exporters/stablehlo.py.
+
+--dtype is refused with --format=ctranslate2: CTranslate2 stores its weights in the type
+--quantization names (float16, bfloat16, int8, ...) and chooses the type it computes in when it
+loads the model (`compute_type=`), so no export setting means what --dtype means elsewhere (the
+products and the matrices), and two flags for the stored type would only conflict.
 """
 
 from absl import flags
 
 from transformer_jax import cli
+from transformer_jax.common.errors import UserInputError
 from transformer_jax.exporters import ctranslate2_spec, stablehlo
 
 FLAGS = flags.FLAGS
@@ -27,15 +36,26 @@ def _define_flags():
     'quantization',
     None,
     'ctranslate2: weight type, one of ' + ', '.join(ctranslate2_spec.QUANTIZATIONS) + ' '
-    "(default float32; 'int8' for fast CPU inference). stablehlo: float32 only.",
+    "(default float32; 'int8' for fast CPU inference). stablehlo: see --dtype.",
   )
   cli.define_checkpoint_flag()
+  cli.define_dtype_flag()
   flags.DEFINE_bool('force', False, 'Replace --out if it exists.')
   flags.mark_flags_as_required(['workdir', 'format', 'out'])
 
 
 def main(argv):
   del argv
+  options = {}
+  if FLAGS.format == 'stablehlo':
+    options['dtype'] = FLAGS.dtype
+  elif FLAGS.dtype is not None:
+    # Every --dtype is also a CTranslate2 weight type: name the flag that stores it.
+    raise UserInputError(
+      f'--dtype={FLAGS.dtype} is for --format=stablehlo; with --format=ctranslate2 give '
+      f'--quantization={FLAGS.dtype} (the weights are stored in it; CTranslate2 chooses the '
+      'type it computes in when it loads the model, compute_type=)'
+    )
   exporters = {'ctranslate2': ctranslate2_spec.export, 'stablehlo': stablehlo.export}
   out = exporters[FLAGS.format](
     FLAGS.workdir,
@@ -43,6 +63,7 @@ def main(argv):
     quantization=FLAGS.quantization or 'float32',
     checkpoint=cli.checkpoint_flag_value(FLAGS.checkpoint),
     force=FLAGS.force,
+    **options,
   )
   print(out)
 

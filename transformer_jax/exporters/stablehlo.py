@@ -5,8 +5,13 @@ calling this project's own `inference.greedy_decode` / `inference.beam_decode` (
 creation and cached decoder steps, as `Translator` runs them) on parameters passed as its first
 argument:
 
-    search(parameters {name: float32[...]}, source_ids int32[b, s], max_lengths int32[b],
+    search(parameters {name: dtype[...]}, source_ids int32[b, s], max_lengths int32[b],
            alpha float32[]) -> tokens int32[b, min(s + 50, max_len)]
+
+`dtype` (`--dtype`, `Translator`'s inference dtype: float32, bfloat16 or float16; default the
+model's own) is what the searches compute in and what the parameters' matrices are stored in
+(`translator.cast_params`: kernels and embeddings; biases and layer-norm scales stay float32), so
+the runner decodes as `Translator(dtype=...)` does and reads half the bytes at 16 bits.
 
 The batch b and the source length s are symbolic (1 <= s <= max_len): one artifact serves every
 batch size and every length bucket, and the decode length is the Translator's,
@@ -21,16 +26,20 @@ DIR holds:
 
     greedy.jax_export, beam4.jax_export   `Exported.serialize()` of each search
     parameters.npz                        the parameters, flat names 'encoder_layers/ffn/wi/kernel'
-                                          (numeric arrays only: loads with allow_pickle=False)
+                                          (numeric arrays only: loads with allow_pickle=False;
+                                          bfloat16 ones as their uint16 bit patterns, see
+                                          `stored_parameters`)
     sentencepiece.model                   the workdir's shared vocabulary
-    manifest.json                         shapes, special ids, defaults, lengths, jax version
+    manifest.json                         shapes, dtypes, special ids, defaults, lengths, jax
+                                          version
     translate.py                          the runner (`stablehlo_runner.py`): jax, numpy and
                                           sentencepiece only
     README.md                             how to run it
 
 Refused with a one-line error: unknown platform names, beam sizes that are not positive
-integers, a --quantization other than float32 (the parameters are exported as trained), and the
-cuDNN attention kernel (`attention_impl='cudnn'`) for any platform but CUDA alone.
+integers, a --quantization other than float32 (--dtype chooses the parameters' type), a dtype
+not among float32, bfloat16, float16, and the cuDNN attention kernel (`attention_impl='cudnn'`)
+for any platform but CUDA alone.
 """
 
 from __future__ import annotations
@@ -55,6 +64,7 @@ from transformer_jax.inference.decoding import (
   beam_decode,
   greedy_decode,
 )
+from transformer_jax.inference.options import check_dtype
 from transformer_jax.inference.translator import Translator, check_decoding_options
 from transformer_jax.model.config import TransformerConfig
 from transformer_jax.model.transformer import Transformer
@@ -116,8 +126,8 @@ def check_exportable(config: TransformerConfig, platforms: Sequence[str]) -> Non
 def check_quantization(quantization: str) -> None:
   if quantization != 'float32':
     raise UserInputError(
-      f'--quantization={quantization}: --format=stablehlo exports float32 parameters only '
-      '(quantization is for --format=ctranslate2)'
+      f'--quantization={quantization}: --format=stablehlo exports float32, bfloat16 or float16 '
+      'parameters, chosen with --dtype (quantization is for --format=ctranslate2)'
     )
 
 
@@ -133,6 +143,17 @@ def flatten_parameters(params) -> dict[str, np.ndarray]:
       raise ValueError(f'parameter name {names} contains {_NAME_SEPARATOR!r}')
     flat[_NAME_SEPARATOR.join(names)] = np.asarray(leaf)
   return flat
+
+
+def stored_parameters(flat: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+  """What parameters.npz holds: the arrays, bfloat16 ones as their uint16 bit patterns. NumPy
+  has no bfloat16 of its own: np.savez would write it as raw 2-byte voids that load back as
+  bytes, not numbers; the manifest's parameters.dtypes_by_name says which to view back
+  (`stablehlo_runner.load_parameters`)."""
+  return {
+    name: value.view(np.uint16) if value.dtype == jnp.bfloat16 else value
+    for name, value in flat.items()
+  }
 
 
 def nest_parameters(flat: dict[str, Any]) -> dict:
@@ -225,6 +246,8 @@ def manifest(
     'platforms': list(some_search.platforms),
     'exported_from': {'workdir': str(Workdir(workdir)), 'checkpoint': checkpoint or 'default'},
     'model': config.to_dict(),
+    # What the searches compute in (the model's compute dtype at export, `--dtype`).
+    'dtype': config.dtype,
     'special_ids': {'pad': PAD_ID, 'eos': EOS_ID, 'bos': BOS_ID, 'unk': UNK_ID},
     'max_len': config.max_len,
     'extra_decode_length': EXTRA_DECODE_LENGTH,
@@ -253,6 +276,8 @@ def manifest(
       'count': int(sum(value.size for value in flat_params.values())),
       'shapes': {name: list(value.shape) for name, value in flat_params.items()},
       'dtypes': sorted({str(value.dtype) for value in flat_params.values()}),
+      # Per name: the runner views the uint16-stored bfloat16 ones back (`stored_parameters`).
+      'dtypes_by_name': {name: str(value.dtype) for name, value in flat_params.items()},
     },
     'sentencepiece_model': SENTENCEPIECE_FILE,
   }
@@ -262,8 +287,9 @@ _README = """\
 # {name}: a transformer_jax model as StableHLO
 
 Exported by `python -m transformer_jax.export --format=stablehlo` from `{workdir}`
-(checkpoint: {checkpoint}) with jax {jax_version}, for {platforms}. It translates as
-`python -m transformer_jax.translate` does, with neither transformer_jax nor flax installed:
+(checkpoint: {checkpoint}) with jax {jax_version}, for {platforms}, computing in {dtype}. It
+translates as `python -m transformer_jax.translate --dtype={dtype}` does, with neither
+transformer_jax nor flax installed:
 
 ```sh
 pip install jax=={jax_version} flatbuffers numpy sentencepiece
@@ -284,15 +310,23 @@ print(translator.translate(['{example}'], beam_size=4, alpha=0.6))
 
 Files: {searches}: one `jax.export` search each (encoder and cached decoder included; batch and
 source length symbolic), read with `jax.export.deserialize`; `{parameters}`: the parameters,
-the search's first argument (`numpy.load(path, allow_pickle=False)`); `{spm}`: the
+the search's first argument (`numpy.load(path, allow_pickle=False)`; bfloat16 ones stored as
+uint16 bit patterns, named in `manifest.json`'s parameters.dtypes_by_name); `{spm}`: the
 SentencePiece vocabulary; `manifest.json`: shapes, special ids, defaults, lengths, jax version.
 """
 
 
 def _readme(
-  out_dir: str, workdir: str, checkpoint, platforms: Sequence[str], beam_sizes, example: str
+  out_dir: str,
+  workdir: str,
+  checkpoint,
+  platforms: Sequence[str],
+  beam_sizes,
+  example: str,
+  dtype: str,
 ) -> str:
   return _README.format(
+    dtype=dtype,
     name=os.path.basename(out_dir),
     workdir=workdir,
     checkpoint=checkpoint or 'default',
@@ -322,6 +356,7 @@ def export(
   platforms: Sequence[str] = DEFAULT_PLATFORMS,
   alpha: float = DEFAULT_ALPHA,
   quantization: str = 'float32',
+  dtype: str | None = None,
   force: bool = False,
   example: str = 'three hundred forty-two',
 ) -> str:
@@ -329,11 +364,14 @@ def export(
 
   checkpoint as `translate`'s --checkpoint (None: averaged if current, else latest).
   beam_sizes: one search each (1 is greedy); the runner's default is 4 if exported, else the
-  largest. alpha: the runner's default length penalty (it takes any). The directory is written
+  largest. alpha: the runner's default length penalty (it takes any). dtype: the inference
+  dtype the searches compute in and the matrices are stored in (`Translator`; None: the
+  model's own, with float32 parameters as trained). The directory is written
   beside `out_dir` and moved into place complete; an existing `out_dir` is refused unless
   `force` (then replaced).
   """
   check_quantization(quantization)
+  check_dtype(dtype)
   check_decoding_options(alpha=alpha)
   if paths.is_gcs(out_dir):
     raise UserInputError(f'--out={out_dir}: the runner reads local directories only')
@@ -343,7 +381,8 @@ def export(
   paths.check_outputs_apart({'--out': out_dir}, runs={'--workdir': workdir})
   check_export_options(beam_sizes=beam_sizes, platforms=platforms)  # Before any checkpoint.
   beam_sizes, platforms = tuple(sorted(beam_sizes)), tuple(platforms)
-  restored = Translator.from_checkpoint(workdir, checkpoint, batch_size=1)
+  # The Translator's own cast (`cast_params`) and compute dtype: what the runner must reproduce.
+  restored = Translator.from_checkpoint(workdir, checkpoint, batch_size=1, dtype=dtype)
   config = restored.model_config
   check_exportable(config, platforms)
   flat_params = flatten_parameters(restored.params)
@@ -357,7 +396,7 @@ def export(
     for beam_size, exported in searches.items():
       with open(os.path.join(staging, search_file(beam_size)), 'wb') as f:
         f.write(exported.serialize())
-    np.savez(os.path.join(staging, PARAMETERS_FILE), **flat_params)
+    np.savez(os.path.join(staging, PARAMETERS_FILE), **stored_parameters(flat_params))
     with open(os.path.join(staging, SENTENCEPIECE_FILE), 'wb') as f:
       f.write(Workdir(workdir).vocab_file.read_bytes())
     description = manifest(
@@ -375,6 +414,9 @@ def export(
     with open(os.path.join(staging, RUNNER_FILE), 'w', encoding='utf-8') as f:
       f.write(_runner_source())
     with open(os.path.join(staging, README_FILE), 'w', encoding='utf-8') as f:
-      f.write(_readme(out_dir, workdir, checkpoint, platforms, beam_sizes, example))
-  log(f'StableHLO searches (beam sizes {", ".join(map(str, beam_sizes))}) written to {out_dir}')
+      f.write(_readme(out_dir, workdir, checkpoint, platforms, beam_sizes, example, config.dtype))
+  log(
+    f'StableHLO searches (beam sizes {", ".join(map(str, beam_sizes))}, {config.dtype}) '
+    f'written to {out_dir}'
+  )
   return out_dir

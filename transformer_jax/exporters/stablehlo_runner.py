@@ -15,7 +15,9 @@ does (tests/export_stablehlo_test.py checks that both translate identically): so
 max_len tokens with their EOS, sorted by length, padded to the Translator's length buckets (the
 exported search decodes min(bucket + 50, max_len) positions, the Translator's decode length), each
 output capped at its source length + 50 tokens (EOS counted), control ids dropped before
-detokenising. The search itself, encoder and cached decoder included, is the exported function.
+detokenising. The search itself, encoder and cached decoder included, is the exported function,
+in the dtype it was exported in (manifest.json's 'dtype'; its parameters are read back in theirs,
+`load_parameters`).
 """
 
 from __future__ import annotations
@@ -57,6 +59,20 @@ def strip_after_eos(tokens: np.ndarray, eos_id: int, pad_id: int) -> list[list[i
   return rows
 
 
+def load_parameters(path: str, description: dict) -> dict[str, np.ndarray]:
+  """parameters.npz as the search takes them: the arrays named in the manifest's
+  parameters.shapes, the bfloat16 ones (stored as uint16 bit patterns: NumPy cannot name
+  bfloat16 in a file) viewed back as jax's bfloat16. An export without dtypes_by_name (before
+  --dtype) holds float32 only."""
+  dtypes = description.get('dtypes_by_name', {})
+  with np.load(path, allow_pickle=False) as stored:
+    arrays = {name: stored[name] for name in description['shapes']}
+  return {
+    name: value.view(jax.numpy.bfloat16) if dtypes.get(name) == 'bfloat16' else value
+    for name, value in arrays.items()
+  }
+
+
 class ExportedTranslator:
   """The exported searches of one directory: `.translate(list_of_str) -> list_of_str`."""
 
@@ -76,9 +92,9 @@ class ExportedTranslator:
       model_file=self._path(self.manifest['sentencepiece_model'])
     )
     parameters = self.manifest['parameters']
-    with np.load(self._path(parameters['file']), allow_pickle=False) as stored:
-      # On the device once: the searches would otherwise copy every weight at every call.
-      self.parameters = {name: jax.device_put(stored[name]) for name in parameters['shapes']}
+    stored = load_parameters(self._path(parameters['file']), parameters)
+    # On the device once: the searches would otherwise copy every weight at every call.
+    self.parameters = {name: jax.device_put(value) for name, value in stored.items()}
     self._searches = {}
 
   @property
