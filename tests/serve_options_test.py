@@ -10,13 +10,18 @@ compare the server with `Translator.hypotheses` run in this process, and with it
 
 import concurrent.futures
 import dataclasses
+import subprocess
+import sys
 import threading
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers.server_process import Server
 
 from transformer_jax.common.errors import UserInputError
+from transformer_jax.inference import translator as translator_module
 from transformer_jax.inference.options import DecodingOptions
 from transformer_jax.inference.translator import Translator
 from transformer_jax.serving import app, ctranslate2_engine
@@ -26,6 +31,7 @@ from transformer_jax.serving.decoding_modes import (
   Served,
   parse_decoding,
 )
+from transformer_jax.serving.jax_engine import JaxEngine
 from transformer_jax.training import loop
 
 from conftest import tiny_config
@@ -330,3 +336,85 @@ def test_ctranslate2_engine_n_best_scores_sampling_and_mbr(workdir, translator, 
   assert len(ranked) == 3 and utilities == sorted(utilities, reverse=True)
   with pytest.raises(UserInputError, match=r'^"target_prefix"\[0\] has 16 pieces'):
     engine.check(['one'], n_best, [' '.join(['hundert'] * 8)])
+
+
+# --- --dtype ---------------------------------------------------------------------------------
+
+
+def test_the_server_decodes_in_bfloat16_with_one_cast(
+  workdir, translator, tmp_path_factory, monkeypatch
+):
+  reference = Translator.from_checkpoint(workdir, batch_size=2, dtype='bfloat16')
+  expected = _hypotheses(reference, TEXTS, 1, 0.0)
+  # The test can tell: float32's log-probs differ (by ~0.01 here, 2026-12-08).
+  full = _hypotheses(translator, TEXTS, 1, 0.0)
+  assert max(abs(a['log_prob'] - b['log_prob']) for a, b in zip(full[0], expected[0])) > 1e-4
+  flags = ['--max_batch_size=2', '--max_wait_ms=1', '--decoding=1:0', '--dtype=bfloat16']
+  running = Server(workdir, tmp_path_factory.mktemp('bfloat16') / 'log', *flags)
+  try:
+    status, _, answer = running.post({'text': TEXTS, 'scores': True})
+  finally:
+    running.stop()
+  assert status == 200
+  _assert_same_hypotheses(answer['hypotheses'], expected)
+  # In this process: every batch size's Translator in bfloat16, over the one cast of the
+  # parameters (JaxEngine.load's), shared.
+  casts = []
+  cast = translator_module.cast_params
+  monkeypatch.setattr(
+    translator_module, 'cast_params', lambda *args: casts.append(args[1]) or cast(*args)
+  )
+  engine = JaxEngine.load(workdir, None, 2, dtype='bfloat16')
+  options = DecodingOptions(beam_size=1, alpha=0.0)
+  found = engine.decode(TEXTS, options, None, [0, 1, 2])
+  assert [[h.as_dict() for h in each] for each in found] == expected
+  shared = jax.tree.leaves(engine.params)
+  for size in engine.buckets:
+    sized = engine._translator(size)
+    assert sized.model_config.dtype == 'bfloat16'
+    leaves = jax.tree.leaves(sized.params)
+    assert all(a is b for a, b in zip(leaves, shared, strict=True))  # Shared, not cast again.
+    matrices = {leaf.dtype for leaf in leaves if leaf.ndim >= 2}
+    assert matrices == {jnp.dtype(jnp.bfloat16)}
+  assert casts == ['bfloat16']
+
+
+def test_a_bad_dtype_is_refused_before_the_model_loads(tmp_path):
+  # tmp_path holds no model: an error about it would mean the model was being loaded.
+  result = subprocess.run(
+    [sys.executable, '-m', 'transformer_jax.serve', f'--workdir={tmp_path}', '--dtype=int8'],
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
+  assert (result.returncode, result.stderr.strip().splitlines()) == (
+    2,
+    [
+      'error: flag --dtype=int8: value should be one of <float32|bfloat16|float16> '
+      '(--helpfull lists every flag)'
+    ],
+  )
+  with pytest.raises(
+    UserInputError, match="^dtype must be one of float32, bfloat16, float16, got 'int8'$"
+  ):
+    app.serve(str(tmp_path), options=app.ServerOptions(dtype='int8'))
+
+
+def test_ctranslate2_refuses_a_dtype_it_does_not_compute_in(tmp_path):
+  # Not mapped to a compute_type: on the CPU CTranslate2 has no bfloat16 or float16.
+  assert not {'bfloat16', 'float16'} & ctranslate2_engine.require().get_supported_compute_types(
+    'cpu'
+  )
+  for dtype, quantization in [('bfloat16', None), ('float16', 'float32'), ('float32', 'int8')]:
+    with pytest.raises(
+      UserInputError,
+      match=rf'^--dtype={dtype} is for --engine=jax: CTranslate2 computes in its --quantization '
+      rf'type \({quantization or "int8"}; on the CPU it has float32, int16, int8, int8_float32\)$',
+    ):
+      app.serve(
+        str(tmp_path),
+        engine='ctranslate2',
+        options=app.ServerOptions(dtype=dtype, quantization=quantization),
+      )
+  ctranslate2_engine.check_dtype('float32', 'float32')  # What it computes in: allowed.
+  ctranslate2_engine.check_dtype(None, None)

@@ -8,7 +8,9 @@ POST /v1/translate, POST /v1/attention, GET /healthz, GET /metrics (JSON) and a 
 shows a translation and its cross-attention. Binds to 127.0.0.1 unless --host says otherwise;
 every batch and sentence length is compiled at start-up. --engine=ctranslate2 exports the model
 (int8 unless --quantization says otherwise) into the workdir, or reuses that export when it was
-made from the same checkpoint, and has no attention maps. SIGTERM drains and exits 0.
+made from the same checkpoint, and has no attention maps. --dtype=bfloat16 (or float16) decodes
+with the JAX engine in that dtype (the parameters cast once); CTranslate2 refuses it (its
+precision is --quantization). SIGTERM drains and exits 0.
 Requests must name the server in Host (--allowed_hosts adds names), come from no web page but
 its own (--allowed_origins adds origins) and send JSON; --auth_token_file requires a bearer token
 (the page: open it as /#token=...). Clients that stall are dropped (serving/guards.py).
@@ -27,6 +29,7 @@ def _define_flags():
   defaults = app.ServerOptions()
   cli.define_workdir_flag()
   cli.define_checkpoint_flag()
+  cli.define_dtype_flag()  # --engine=jax's; CTranslate2's precision is --quantization.
   flags.DEFINE_enum(
     'engine',
     'jax',
@@ -131,6 +134,7 @@ def main(argv):
     quantization=FLAGS.quantization,
     ctranslate2_dir=FLAGS.ctranslate2_dir,
     intra_threads=FLAGS.intra_threads,
+    dtype=FLAGS.dtype,
   )
   app.serve(
     FLAGS.workdir,

@@ -57,6 +57,7 @@ from transformer_jax.common.errors import (
   is_integer,
   is_number,
 )
+from transformer_jax.inference.options import check_dtype
 from transformer_jax.serving import ctranslate2_engine, guards
 from transformer_jax.serving.batcher import Batcher, Closed, Engine, Metrics, QueueFull
 from transformer_jax.serving.decoding_modes import OPTION_FIELDS, Served
@@ -99,6 +100,8 @@ class ServerOptions:
   quantization: str | None = None
   ctranslate2_dir: str | None = None
   intra_threads: int | None = None
+  # --engine=jax: the inference dtype (`JaxEngine.load`; None: the model's own).
+  dtype: str | None = None
 
   def check(self) -> Served:
     """One-line errors for impossible settings; returns the served decoding modes."""
@@ -115,6 +118,7 @@ class ServerOptions:
     check_integer_at_least('--port', self.port, 0)
     if self.intra_threads is not None:
       check_positive_integer('--intra_threads', self.intra_threads)
+    check_dtype(self.dtype)
     if self.port > 65535:
       raise UserInputError(f'--port must be at most 65535, got {self.port}')
     return Served.parse(self.decoding, self.max_hypotheses, self.max_mbr)
@@ -507,6 +511,7 @@ def serve(
     raise UserInputError(f'--engine must be one of {", ".join(ENGINES)}, got {engine!r}')
   if engine == 'ctranslate2':
     ctranslate2_engine.require()
+    ctranslate2_engine.check_dtype(options.dtype, options.quantization)
   elif options.quantization or options.ctranslate2_dir or options.intra_threads is not None:
     raise UserInputError(
       '--quantization, --ctranslate2_dir and --intra_threads are for --engine=ctranslate2'
@@ -520,7 +525,9 @@ def serve(
   began = time.perf_counter()
   if engine == 'jax':
     counter = CompileCounter()
-    loaded = JaxEngine.load(workdir, checkpoint, options.max_batch_size, counter)
+    loaded = JaxEngine.load(
+      workdir, checkpoint, options.max_batch_size, counter, dtype=options.dtype
+    )
   else:
     counter = None  # CTranslate2 compiles nothing; restoring for the export is not serving.
     loaded, how = ctranslate2_engine.load(

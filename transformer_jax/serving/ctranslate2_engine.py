@@ -62,6 +62,23 @@ def require():
   return ctranslate2_runtime.import_ctranslate2('--engine=ctranslate2')
 
 
+def check_dtype(dtype: str | None, quantization: str | None) -> None:
+  """--dtype with this engine: refused, in one line, unless it is what CTranslate2 computes in
+  (float32 weights), before anything is exported. Not mapped to a compute_type: this engine
+  runs on the CPU, where CTranslate2 4.8.5 computes in int8, int8_float32, int16 or float32 only
+  (`get_supported_compute_types('cpu')`); asked for bfloat16 or float16 there it refuses to load
+  the model (a ValueError: the backend does not support efficient bfloat16 computation). Its
+  precision is --quantization's."""
+  quantization = quantization or DEFAULT_QUANTIZATION
+  if dtype is None or (dtype == 'float32' and quantization == 'float32'):
+    return
+  supported = ', '.join(sorted(require().get_supported_compute_types('cpu')))
+  raise UserInputError(
+    f'--dtype={dtype} is for --engine=jax: CTranslate2 computes in its --quantization type '
+    f'({quantization}; on the CPU it has {supported})'
+  )
+
+
 def source_digest(translator: Translator, quantization: str, ctranslate2_version: str) -> str:
   """SHA-256 of everything the export is a function of (see the module docstring)."""
   digest = hashlib.sha256()

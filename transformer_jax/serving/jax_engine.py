@@ -110,8 +110,13 @@ class JaxEngine(Engine):
     checkpoint: int | str | None,
     max_batch_size: int,
     counter: CompileCounter | None = None,
+    *,
+    dtype: str | None = None,
   ) -> 'JaxEngine':
-    translator = Translator.from_checkpoint(workdir, checkpoint, max_batch_size)
+    """dtype: the inference dtype (`Translator`'s; None: the model's own). The parameters are
+    cast once, here: every batch size's Translator (`_translator`) shares them, and the config
+    that says so (no Translator casts them again)."""
+    translator = Translator.from_checkpoint(workdir, checkpoint, max_batch_size, dtype=dtype)
     return cls(translator, max_batch_size, counter)
 
   def _translator(self, batch_size: int) -> Translator:
