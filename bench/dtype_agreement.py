@@ -11,18 +11,12 @@ float32's, and its exact match against the references. The log-probs are forced 
 (`Translator.score`, per token) of float32's beam-4 translations under each dtype: the mean and
 the largest |difference| per token, and per sentence of the mean per-token log-prob (what
 tests/inference_dtype_test.py bounds).
-
-`--matrices_only` adds, per reduced dtype, a Translator whose kernels and embeddings alone are
-cast (biases and norm scales kept float32, as `cast_params`'s docstring intends; in stacked
-layers its `ndim >= 2` rule casts them too): whether keeping them float32 changes agreement.
 """
 
 from __future__ import annotations
 
 import time
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
@@ -34,26 +28,9 @@ _CHECKPOINT = flags.DEFINE_string('checkpoint', None, "As translate's (default: 
 _COUNT = flags.DEFINE_integer('count', 2000, 'Test sentences (the split has 2,000).')
 _BATCH_SIZE = flags.DEFINE_integer('batch_size', 64, 'Sentences decoded together.')
 _DTYPES = flags.DEFINE_list('dtypes', ['bfloat16', 'float16'], 'Reduced dtypes to compare.')
-_MATRICES_ONLY = flags.DEFINE_bool(
-  'matrices_only', False, 'Also cast the kernels and embeddings alone (see the docstring).'
-)
 flags.mark_flags_as_required(['workdir'])
 
 SEARCHES = {'beam 4': dict(beam_size=4, alpha=0.6), 'greedy': dict(beam_size=1)}
-
-
-def matrices_only(reference: Translator, dtype: str) -> Translator:
-  """`reference`'s model in `dtype` with only its kernels and embeddings cast."""
-
-  def cast(path, leaf):
-    name = str(path[-1].key)
-    return leaf.astype(jnp.dtype(dtype)) if name in ('kernel', 'embedding') else leaf
-
-  params = jax.tree_util.tree_map_with_path(cast, jax.device_get(reference.params))
-  config = reference.model_config.replace(dtype=dtype)
-  return Translator(
-    config, params, reference.tokenizer, reference.batch_size, reference.target_tokenizer
-  )
 
 
 def compare(name, translator, sources, references, expected, targets, reference_scores):
@@ -104,10 +81,6 @@ def main(argv):
   for dtype in _DTYPES.value:
     translator = Translator.from_checkpoint(_WORKDIR.value, dtype=dtype, **load)
     compare(dtype, translator, sources, references, expected, targets, reference_scores)
-    if _MATRICES_ONLY.value:
-      variant = matrices_only(reference, dtype)
-      name = f'{dtype} (matrices only)'
-      compare(name, variant, sources, references, expected, targets, reference_scores)
 
 
 if __name__ == '__main__':

@@ -10,8 +10,8 @@ argument:
 
 `dtype` (`--dtype`, `Translator`'s inference dtype: float32, bfloat16 or float16; default the
 model's own) is what the searches compute in and what the parameters' matrices are stored in
-(`translator.cast_params`: its arrays of two or more dimensions, so kernels, embeddings and, in
-the stacked layers' [layers, ...] arrays, biases and norm scales too), so the runner decodes as
+(`translator.cast_params`: kernels and embedding tables; biases and norm scales stay float32),
+so the runner decodes as
 `Translator(dtype=...)` does and reads half the bytes at 16 bits.
 
 The batch b and the source length s are symbolic (1 <= s <= max_len): one artifact serves every

@@ -577,14 +577,19 @@ class Translator:
 
 
 def cast_params(params, dtype: str):
-  """The parameters for inference in `dtype`: every floating matrix (kernels, embeddings) in
-  it, once, so that each product reads half the bytes; vectors (biases, layer-norm scales)
-  stay float32, as the layers compute their statistics in float32 anyway."""
+  """The parameters for inference in `dtype`: the matrices (every `kernel`, the embedding
+  tables) in it, once, so that each product reads half the bytes; vectors (biases, layer-norm
+  scales) stay float32, as the layers compute their statistics in float32 anyway. By name, not
+  by rank: the stacked layers hold their vectors as [layers, d] arrays."""
   target = jnp.dtype(dtype)
 
-  def cast(leaf):
-    if jnp.issubdtype(leaf.dtype, jnp.floating) and leaf.ndim >= 2:
-      return leaf.astype(target)
-    return leaf
+  def cast(path, leaf):
+    name = getattr(path[-1], 'key', None) if path else None
+    matrix = name in _MATRIX_NAMES and jnp.issubdtype(leaf.dtype, jnp.floating)
+    return leaf.astype(target) if matrix else leaf
 
-  return jax.tree.map(cast, params)
+  return jax.tree_util.tree_map_with_path(cast, params)
+
+
+# The parameters cast_params casts: DenseGeneral's kernels, nn.Embed's tables, learned positions.
+_MATRIX_NAMES = ('kernel', 'embedding', 'position_embedding')
