@@ -37,6 +37,15 @@ def _abstract_params(cfg: TransformerConfig):
   return nn.meta.unbox(variables['params'])
 
 
+def _toy_model():
+  """The comparisons' random model: small enough to decode in milliseconds."""
+  cfg = TransformerConfig(
+    vocab_size=50, d_model=16, d_ff=32, num_heads=2, num_encoder_layers=1, num_decoder_layers=2
+  )
+  dummy = jnp.ones((1, 1), jnp.int32)
+  return cfg, Transformer(cfg).init(jax.random.PRNGKey(0), dummy, dummy)['params']
+
+
 def test_training_flops_equal_a_hand_computation():
   cfg = TransformerConfig(
     vocab_size=10, d_model=4, d_ff=8, num_heads=2, num_encoder_layers=1, num_decoder_layers=2
@@ -170,11 +179,7 @@ def test_ctranslate2_decodes_the_same_model_beside_ours():
   """The comparison's CTranslate2 model (built by the exporter's converter) decodes the EOS-
   suppressed random model to the same best hypotheses as ours, for every setting, and the
   report prints the ratios."""
-  cfg = TransformerConfig(
-    vocab_size=50, d_model=16, d_ff=32, num_heads=2, num_encoder_layers=1, num_decoder_layers=2
-  )
-  dummy = jnp.ones((1, 1), jnp.int32)
-  params = Transformer(cfg).init(jax.random.PRNGKey(0), dummy, dummy)['params']
+  cfg, params = _toy_model()
   params, suppressed = decode_benchmark.suppress_eos(params, cfg)
   assert suppressed
   rng = np.random.default_rng(0)
@@ -412,11 +417,7 @@ def test_toolkit_rows_time_every_variant_on_full_length_outputs():
   """The toolkit rows (issue 27): every variant runs the same sentences to the length cap, the
   whole-logits scoring variant gives the scoring program's values, CTranslate2's score_batch
   agrees with ours, and each ratio is the per-round quotient the table prints."""
-  cfg = TransformerConfig(
-    vocab_size=50, d_model=16, d_ff=32, num_heads=2, num_encoder_layers=1, num_decoder_layers=2
-  )
-  dummy = jnp.ones((1, 1), jnp.int32)
-  params = Transformer(cfg).init(jax.random.PRNGKey(0), dummy, dummy)['params']
+  cfg, params = _toy_model()
   row = toolkit.benchmark_toolkit(
     'toy',
     cfg,
@@ -520,11 +521,7 @@ def test_end_to_end_rows_time_the_translator_beside_its_own_program_and_ctransla
   """The decode section's end-to-end rows (issue 49 item 5): every mode's Translator call, the
   same search program alone on the arguments the Translator passed it, and CTranslate2 decoding
   the same sentences to the same best hypotheses; one XLA execution per batch."""
-  cfg = TransformerConfig(
-    vocab_size=50, d_model=16, d_ff=32, num_heads=2, num_encoder_layers=1, num_decoder_layers=2
-  )
-  dummy = jnp.ones((1, 1), jnp.int32)
-  params = Transformer(cfg).init(jax.random.PRNGKey(0), dummy, dummy)['params']
+  cfg, params = _toy_model()
   row = end_to_end.end_to_end_rows(
     'toy',
     cfg,
