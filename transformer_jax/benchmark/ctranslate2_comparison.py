@@ -65,6 +65,15 @@ def ctranslate2_translator(model_config: TransformerConfig, params, directory: s
   return open_ctranslate2(directory, threads)
 
 
+def engine_record(threads: int) -> dict:
+  """What a report row says of the CTranslate2 it compared with."""
+  return {
+    'version': require_ctranslate2().__version__,
+    'compute_type': 'float32',
+    'intra_threads': threads,
+  }
+
+
 def open_ctranslate2(directory: str, threads: int):
   """The float32 `ctranslate2.Translator` of a model saved in `directory`, on `threads` cores."""
   return require_ctranslate2().Translator(

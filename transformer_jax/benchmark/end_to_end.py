@@ -138,11 +138,7 @@ def end_to_end_rows(
     if 'ctranslate2' in compare:
       threads = ctranslate2_comparison.xla_cpu_threads()
       engine = ctranslate2_comparison.ctranslate2_translator(cfg, params, directory, threads)
-      row['ctranslate2'] = {
-        'version': ctranslate2_comparison.require_ctranslate2().__version__,
-        'compute_type': 'float32',
-        'intra_threads': threads,
-      }
+      row['ctranslate2'] = ctranslate2_comparison.engine_record(threads)
     for batch_size in batch_sizes:
       translator = Translator(cfg, params, tokenizer, batch_size=batch_size)
       rng = np.random.default_rng(seed + 3)

@@ -252,11 +252,7 @@ def benchmark_toolkit(
         cfg, jax.device_get(params), directory, pairs, batch_size
       )
       variants.update(scorers)
-      row['ctranslate2'] = {
-        'version': ctranslate2_comparison.require_ctranslate2().__version__,
-        'compute_type': 'float32',
-        'intra_threads': threads,
-      }
+      row['ctranslate2'] = ctranslate2_comparison.engine_record(threads)
     first_call = {}
     for variant, function in variants.items():
       progress(f'  toolkit: {variant} (first call: compilation)')
