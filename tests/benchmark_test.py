@@ -142,7 +142,14 @@ def test_sizes_are_the_documented_models():
     (dict(beam_size=0), '--beam_size must be an integer >= 1, got 0'),
     (dict(alpha=-1.0), '--alpha must be >= 0, got -1.0'),
     (dict(dropout=1.0), '--dropout must be in [0, 1), got 1.0'),
-    (dict(compare=['onnx']), "--compare: unknown engine 'onnx'; expected ctranslate2"),
+    (
+      dict(compare=['onnx']),
+      "--compare: unknown engine 'onnx'; expected ctranslate2, transformers",
+    ),
+    (
+      dict(compare=['transformers'], sections=['toolkit']),
+      '--compare=transformers compares decoding: add decode to --sections',
+    ),
     (
       dict(compare=['ctranslate2'], sections=['train']),
       '--compare compares decoding: add decode to --sections',

@@ -110,7 +110,8 @@ def _define_flags():
     list(defaults.compare),
     "Engines that decode each untrained size's model and sources beside ours: ctranslate2 "
     "(float32, as many threads as XLA uses, and 1 thread for toolkit's scoring; "
-    "pip install -e '.[export]').",
+    "pip install -e '.[export]'); transformers (MarianMTModel.generate on a random MarianMTModel "
+    'of each size, imported, beam search end to end; the decode section).',
   )
   flags.DEFINE_integer(
     'compare_rounds',

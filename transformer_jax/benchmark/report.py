@@ -198,6 +198,43 @@ def end_to_end_table(rows: Sequence[dict]) -> str:
   )
 
 
+def transformers_table(rows: Sequence[dict]) -> str:
+  """Ours against MarianMTModel.generate on the same weights (`transformers_comparison.py`)."""
+  first = rows[0]
+  return '\n'.join(
+    [
+      f'against transformers {first["versions"]["transformers"]} MarianMTModel.generate (torch '
+      f'{first["versions"]["torch"]}, {first["threads"]} threads; the same imported random '
+      f'weights, vocabulary {first["vocab_size"]:,}; text in and out; '
+      f'{first["target_tokens_each"]} tokens per output; {first["rounds"]} alternating rounds, '
+      'medians)',
+      _table(
+        [
+          'model',
+          'beam',
+          'batch',
+          'ours tok/s',
+          'transformers tok/s',
+          'ours / transformers',
+          'same',
+        ],
+        [
+          [
+            r['model'],
+            str(r['beam_size']),
+            str(r['batch_size']),
+            f'{r["ours"]["target_tokens_per_second"]:.0f}',
+            f'{r["transformers"]["target_tokens_per_second"]:.0f}',
+            f'{r["ratio"]:.2f}x [{r["ratio_min"]:.2f}, {r["ratio_max"]:.2f}]',
+            f'{r["same_output"]:.0%}',
+          ]
+          for r in rows
+        ],
+      ),
+    ]
+  )
+
+
 def file_table(row: dict) -> str:
   """The `translate` command over a file against CTranslate2's translate_file."""
   theirs = row.get('ctranslate2_seconds')
@@ -300,6 +337,8 @@ def format_report(report: dict) -> str:
     out += [ctranslate2_table(compared), '']
   if report.get('end_to_end'):
     out += [end_to_end_table(report['end_to_end']), '']
+  if report.get('transformers'):
+    out += [transformers_table(report['transformers']), '']
   if report.get('file_translation'):
     out += [file_table(report['file_translation']), '']
   if report.get('toolkit'):

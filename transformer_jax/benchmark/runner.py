@@ -14,7 +14,9 @@ to --json. Every rate is divided by limits measured in the same run:
   * decoding: sentences/s and target tokens/s for greedy and beam search, with and without the
     decoding cache, and the speedup the cache buys; with --compare=ctranslate2 the same model
     and sources decoded by CTranslate2 too, the two timed in alternating rounds
-    (`ctranslate2_comparison.py`).
+    (`ctranslate2_comparison.py`); with --compare=transformers, ours beside
+    `MarianMTModel.generate` on a random MarianMTModel of the size, imported
+    (`transformers_comparison.py`).
   * input pipeline: examples/s and padding fraction of each batching mode, and the ratio to the
     examples/s the training step of the matching size consumes.
   * toolkit (`--sections=toolkit`, not run by default): issue 27's scoring, sampling and n-best
@@ -49,7 +51,6 @@ import ml_collections
 import numpy as np
 
 from transformer_jax.benchmark.ctranslate2_comparison import (
-  ENGINES,
   compare_ctranslate2,
   require_ctranslate2,
 )
@@ -67,6 +68,10 @@ from transformer_jax.benchmark.training import (
   synthetic_ids,
   synthetic_lengths,
 )
+from transformer_jax.benchmark.transformers_comparison import (
+  compare_transformers,
+  require_transformers,
+)
 from transformer_jax.common import text_io
 from transformer_jax.common.errors import UserInputError, is_integer
 from transformer_jax.model.transformer import Transformer
@@ -74,6 +79,10 @@ from transformer_jax.training import host_memory
 from transformer_jax.workdir.layout import Workdir
 
 SECTIONS = ('train', 'decode', 'pipeline', 'toolkit')
+# Engines --compare decodes beside ours: CTranslate2 on an export of each size's weights
+# (`ctranslate2_comparison.py`); transformers' MarianMTModel.generate on a random MarianMTModel of
+# each size, imported here (`transformers_comparison.py`, the decode section only).
+ENGINES = ('ctranslate2', 'transformers')
 
 # Peak matmuls timed before each training step (best kept) for `mfu_paired_median`: enough to
 # catch the machine's speed of the moment, few enough not to lengthen a run much.
@@ -255,7 +264,9 @@ def _check_before_running(options: Options, json_path: str) -> None:
       raise UserInputError(f'--compare: unknown engine {engine!r}; expected {", ".join(ENGINES)}')
     if 'decode' not in options.sections and 'toolkit' not in options.sections:
       raise UserInputError('--compare compares decoding: add decode to --sections')
-    require_ctranslate2()
+    if engine == 'transformers' and 'decode' not in options.sections:
+      raise UserInputError('--compare=transformers compares decoding: add decode to --sections')
+    (require_ctranslate2 if engine == 'ctranslate2' else require_transformers)()
   if options.workdir and 'decode' in options.sections:
     workdir = Workdir(options.workdir)
     workdir.read_run_config()  # A one-line error if it is not a training workdir.
@@ -308,7 +319,7 @@ def run(
     for name in options.sizes
   }
   report['training'], report['decoding'], report['toolkit'] = [], [], []
-  report['end_to_end'] = []
+  report['end_to_end'], report['transformers'] = [], []
   steps_per_second = {}
   for name, spec in specs.items():
     params = None
@@ -365,6 +376,20 @@ def run(
             modes=options.end_to_end_modes,
             seed=options.seed,
             compare=options.compare,
+            progress=progress,
+          )
+        )
+      if 'transformers' in options.compare:
+        report['transformers'].append(
+          compare_transformers(
+            name,
+            spec.model_config,
+            batch_size=options.decode_batch_size,
+            beam_size=options.beam_size,
+            decode_length=options.decode_length,
+            alpha=options.alpha,
+            rounds=options.compare_rounds,
+            seed=options.seed,
             progress=progress,
           )
         )
