@@ -109,9 +109,7 @@ def make_folder(folder, fields, saved, eos_bias, std, seed=0, tags=()):
   vocabs = fields.pop('vocabs', None)
   separate = fields.get('share_encoder_decoder_embeddings') is False
   vocab_size, target_size = _tokenizer_files(folder, separate, tags, vocabs)
-  config = transformers.MarianConfig(
-    vocab_size=vocab_size,
-    decoder_vocab_size=target_size,
+  sizes = dict(
     d_model=32,
     encoder_layers=2,
     decoder_layers=2,
@@ -120,12 +118,16 @@ def make_folder(folder, fields, saved, eos_bias, std, seed=0, tags=()):
     encoder_ffn_dim=64,
     decoder_ffn_dim=64,
     max_position_embeddings=MAX_POSITIONS,
+  )  # `fields` may set others (a smaller model).
+  config = transformers.MarianConfig(
+    vocab_size=vocab_size,
+    decoder_vocab_size=target_size,
     pad_token_id=vocab_size - 1,
     decoder_start_token_id=target_size - 1,
     eos_token_id=0,
     forced_eos_token_id=None,
     init_std=std,
-    **{'scale_embedding': True, **fields},
+    **{**sizes, 'scale_embedding': True, **fields},
   )
   torch.manual_seed(seed)
   model = transformers.MarianMTModel(config).eval()
