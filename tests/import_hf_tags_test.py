@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from import_hf_test import GERMAN, VARIANTS, WORDS, _generate, _id_maps, make_folder
 
-from transformer_jax.data.tokenizer import Tokenizer, split_marian_rules
+from transformer_jax.data.tokenizer import BOS_ID, Tokenizer, split_marian_rules
 from transformer_jax.importers import hf_marian
 from transformer_jax.inference.translator import Translator
 
@@ -76,6 +76,10 @@ def test_ids_equal_marian_tokenizer_with_and_without_tags(tagged):
     assert len(texts) >= 100 and sum(t.startswith(TAGS) for t in texts) >= 50
     kwargs = 'text' if side == 'source' else 'text_target'
     rows = tokenizer(**{kwargs: texts}).input_ids
+    # Unpadded, so a <pad> here is one in the text: a token MarianMTModel attends to, our BOS
+    # (whose embedding rows are <pad>'s), not padding.
+    table = table.copy()
+    table[tokenizer.pad_token_id] = BOS_ID
     theirs = [list(table[np.array(ids[:-1], int)]) for ids in rows]  # No </s>.
     assert ours.encode_batch(texts) == theirs, side
     assert [ours.encode(text) for text in texts] == theirs, side

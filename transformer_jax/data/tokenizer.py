@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import os
 import re
 import struct
@@ -31,17 +32,19 @@ _SAMPLING_LOCK = threading.Lock()
 # ensembles comparing hashes, token caches keyed by `fingerprint`) gets it: a length-delimited
 # field of ModelProto's range for third-party extensions (200 and up), which SentencePiece parses
 # as unknown, ignores and writes back last. Any other vocabulary lacks it and is read as before.
-# Its payload: _MARIAN_TEXT, the ids this side's MarianTokenizer vocabulary lacks (uint32s; they
-# are <unk> to it), their count (a uint32): fixed text at a place the last 4 bytes give, so that
-# it is found from the end without parsing the model.
+# Its payload: _MARIAN_TEXT, the special tokens (`MARIAN_SPECIALS` or the model's own: UTF-8
+# JSON {token: id}, then its length as a uint32), the ids this side's MarianTokenizer vocabulary
+# lacks (uint32s; they are <unk> to it), their count (a uint32): fixed text at a place the last
+# bytes give, so that it is found from the end without parsing the model. (The first imports
+# wrote _MARIAN_TEXT_V1 and no special tokens: they read as MARIAN_SPECIALS.)
 _MARIAN_FIELD = 20050
-_MARIAN_TEXT = b'transformer_jax: MarianTokenizer segmentation (>>tag<< prefixes, specials)'
+_MARIAN_TEXT = b'transformer_jax: MarianTokenizer segmentation v2 (>>tag<< prefixes, specials)'
+_MARIAN_TEXT_V1 = b'transformer_jax: MarianTokenizer segmentation (>>tag<< prefixes, specials)'
 # MarianTokenizer's special tokens: its added-token trie cuts them out of the text wherever they
-# stand (none is a prefix of another, so an alternation finds what the trie finds). The ids are
-# then MarianTokenizer's; a <pad> inside a text is padding to our model, though, where
-# MarianMTModel attends to it.
-_MARIAN_SPECIALS = {'</s>': EOS_ID, '<unk>': UNK_ID, '<pad>': PAD_ID}
-_MARIAN_SPLIT = re.compile('(' + '|'.join(map(re.escape, _MARIAN_SPECIALS)) + ')')
+# stand, as these ids. A <pad> in a text is a token MarianMTModel attends to (its attention mask
+# is 1 there), not padding: our BOS, whose embedding rows are <pad>'s on both sides
+# (importers/hf_marian). A model's tokenizer files may add others (importers/hf_vocabulary).
+MARIAN_SPECIALS = {'</s>': EOS_ID, '<unk>': UNK_ID, '<pad>': BOS_ID}
 
 
 def _varint(value: int) -> bytes:
@@ -53,32 +56,66 @@ def _varint(value: int) -> bytes:
   return bytes(out + bytes([value]))
 
 
-def _marian_field(unknown_ids: Sequence[int]) -> bytes:
+def _marian_field(unknown_ids: Sequence[int], specials: dict[str, int]) -> bytes:
   ids = sorted(set(int(i) for i in unknown_ids))
-  payload = _MARIAN_TEXT + struct.pack(f'<{len(ids)}I', *ids) + struct.pack('<I', len(ids))
+  tokens = json.dumps({str(k): int(v) for k, v in specials.items()}, sort_keys=True).encode()
+  payload = _MARIAN_TEXT + tokens + struct.pack('<I', len(tokens))
+  payload += struct.pack(f'<{len(ids)}I', *ids) + struct.pack('<I', len(ids))
   return _varint(_MARIAN_FIELD << 3 | 2) + _varint(len(payload)) + payload
+
+
+def _uint32(data: bytes, end: int) -> int | None:
+  """The little-endian uint32 that ends at `end`, None where there is none."""
+  return struct.unpack('<I', data[end - 4 : end])[0] if 4 <= end <= len(data) else None
+
+
+def read_marian_rules(
+  model_proto: bytes,
+) -> tuple[bytes, frozenset[int] | None, dict[str, int] | None]:
+  """(the model without MarianTokenizer's rules, the ids its vocabulary lacks, its special
+  tokens {token: id}), the last two None where the model has no such rules."""
+  none = model_proto, None, None
+  count = _uint32(model_proto, len(model_proto))
+  if count is None:
+    return none
+  end = len(model_proto) - 4 - 4 * count  # Where the ids start.
+  layouts = []  # (where the fixed text starts, it, the special tokens' JSON or None)
+  size = _uint32(model_proto, end)
+  if size is not None and end - 4 - size >= 0:
+    layouts.append((end - 4 - size - len(_MARIAN_TEXT), _MARIAN_TEXT, (end - 4 - size, end - 4)))
+  layouts.append((end - len(_MARIAN_TEXT_V1), _MARIAN_TEXT_V1, None))
+  for start, text, tokens in layouts:
+    field = _varint(_MARIAN_FIELD << 3 | 2) + _varint(len(model_proto) - start)
+    if start < len(field) or model_proto[start - len(field) : start + len(text)] != field + text:
+      continue
+    specials = dict(MARIAN_SPECIALS)
+    if tokens is not None:
+      specials = json.loads(model_proto[tokens[0] : tokens[1]].decode())
+    ids = struct.unpack(f'<{count}I', model_proto[end:-4])
+    return model_proto[: start - len(field)], frozenset(ids), specials
+  return none
 
 
 def split_marian_rules(model_proto: bytes) -> tuple[bytes, frozenset[int] | None]:
   """(the model without MarianTokenizer's rules, the ids its vocabulary lacks, or None where
   the model has no such rules)."""
-  if len(model_proto) < 4:
-    return model_proto, None
-  (count,) = struct.unpack('<I', model_proto[-4:])
-  end = len(model_proto) - 4 - 4 * count
-  start = end - len(_MARIAN_TEXT)
-  payload = len(model_proto) - start
-  field = _varint(_MARIAN_FIELD << 3 | 2) + _varint(payload)
-  if start < len(field) or model_proto[start - len(field) : end] != field + _MARIAN_TEXT:
-    return model_proto, None
-  ids = struct.unpack(f'<{count}I', model_proto[end:-4])
-  return model_proto[: start - len(field)], frozenset(ids)
+  return read_marian_rules(model_proto)[:2]
 
 
-def with_marian_rules(model_proto: bytes, unknown_ids: Sequence[int] = ()) -> bytes:
+def with_marian_rules(
+  model_proto: bytes, unknown_ids: Sequence[int] = (), specials: dict[str, int] | None = None
+) -> bytes:
   """`model_proto` marked to segment text as transformers' MarianTokenizer (`Tokenizer`), its
-  `unknown_ids` (pieces of ours that side's vocabulary lacks) read as <unk>, as it reads them."""
-  return split_marian_rules(model_proto)[0] + _marian_field(unknown_ids)
+  `unknown_ids` (pieces of ours that side's vocabulary lacks) read as <unk>, as it reads them,
+  and its `specials` ({token: our id}; None: MARIAN_SPECIALS) cut out wherever they stand."""
+  specials = MARIAN_SPECIALS if specials is None else specials
+  return split_marian_rules(model_proto)[0] + _marian_field(unknown_ids, specials)
+
+
+def _specials_pattern(specials: dict[str, int]) -> re.Pattern:
+  """The special tokens as the added-token trie finds them: leftmost, then longest."""
+  tokens = sorted(specials, key=lambda token: (-len(token), token))
+  return re.compile('(' + '|'.join(map(re.escape, tokens)) + ')' if tokens else '((?!))')
 
 
 class Tokenizer:
@@ -103,8 +140,12 @@ class Tokenizer:
         f'expected {(PAD_ID, EOS_ID, BOS_ID, UNK_ID)}'
       )
     # Read from what SentencePiece keeps (it writes unknown fields back last).
-    _, self._marian_unknown = split_marian_rules(self._processor.serialized_model_proto())
+    _, self._marian_unknown, self._marian_specials = read_marian_rules(
+      self._processor.serialized_model_proto()
+    )
     self.marian_rules = self._marian_unknown is not None
+    if self.marian_rules:
+      self._marian_split = _specials_pattern(self._marian_specials)
 
   @classmethod
   def load(cls, path: str | os.PathLike) -> 'Tokenizer':
@@ -198,9 +239,9 @@ class Tokenizer:
     lies between) out as the id of that piece (a language tag), <unk> when the vocabulary lacks
     it. Ids as ints, the rest as strings for SentencePiece, each encoded apart."""
     out: list[str | int] = []
-    for part in _MARIAN_SPLIT.split(text):
-      if part in _MARIAN_SPECIALS:
-        out.append(_MARIAN_SPECIALS[part])
+    for index, part in enumerate(self._marian_split.split(text)):
+      if index % 2:  # A special token (split's odd parts are what the pattern matched).
+        out.append(self._marian_specials[part])
         continue
       if part.startswith('>>') and (end := part.find('<<')) != -1:
         tag = self._processor.piece_to_id(part[: end + 2])  # unk_id when absent.
@@ -263,6 +304,26 @@ class Tokenizer:
 
   def pieces(self, ids: Sequence[int]) -> list[str]:
     return [self._processor.id_to_piece(int(i)) for i in ids]
+
+  def piece_ids(self, pieces: Sequence[str]) -> list[int]:
+    """The ids of `pieces` (UNK for a piece the vocabulary lacks): `pieces`' inverse."""
+    return [self._processor.piece_to_id(piece) for piece in pieces]
+
+  def marian_record(self) -> dict | None:
+    """MarianTokenizer's rules of this vocabulary as data, for readers without transformer_jax
+    (the CTranslate2 and StableHLO exports write it; stablehlo_runner applies it): None for a
+    plain SentencePiece vocabulary, else {'specials': {token: id}, cut out of the text wherever
+    they stand; 'unknown_ids': ids read as UNK, whether SentencePiece or a leading `>>tag<<`
+    (looked up by piece) gives them; 'unk_id'; 'strip': the decoded text is stripped}."""
+    if not self.marian_rules:
+      return None
+    return {
+      'rule': 'MarianTokenizer',
+      'specials': dict(sorted(self._marian_specials.items())),
+      'unknown_ids': sorted(self._marian_unknown),
+      'unk_id': UNK_ID,
+      'strip': True,
+    }
 
 
 def _reported(

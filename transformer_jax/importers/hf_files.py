@@ -47,6 +47,8 @@ HUB_FILES = [
   HF_CONFIG,
   'generation_config.json',
   'tokenizer_config.json',
+  'special_tokens_map.json',
+  'added_tokens.json',
   'vocab.json',
   'target_vocab.json',
   'source.spm',

@@ -25,8 +25,9 @@ target.spm, and returns what `workdir_writer.write` takes:
              get its <unk> row (MarianTokenizer reads those pieces as <unk>).
   vocabulary vocab.json's ids with source.spm's segmentation (target.spm segments targets), as
              MarianTokenizer, language tags (a leading >>deu<<) and special tokens (</s>, <unk>,
-             <pad>) cut out first as it cuts them (Tokenizer's MarianTokenizer rules); pieces
-             the .spm has beyond the vocabularies (MarianTokenizer: <unk>) come last.
+             <pad>, and the tokenizer files' extra ones: hf_vocabulary) cut out first as it cuts
+             them (Tokenizer's MarianTokenizer rules); pieces the .spm has beyond the
+             vocabularies (MarianTokenizer: <unk>) come last.
   separate   vocabularies (tokenizer_config.json separate_vocabs, target_vocab.json; with
              share_encoder_decoder_embeddings=false, decoder_vocab_size may differ from
              vocab_size) are exact in our one vocabulary: its source pieces index the encoder's

@@ -9,6 +9,12 @@ side's HF ids map into it (`HFVocabulary.source_ids`, `target_ids`), and hf_mari
 id a side's vocabulary lacks that side's <unk> rows, and masks its logit. Each side's tokenizer
 reads such ids as <unk> (the ids its SentencePiece model carries, data/tokenizer.py), as
 MarianTokenizer does.
+
+Special tokens, cut out of texts wherever they stand as MarianTokenizer's added-token trie cuts
+them (`special_tokens`): </s>, <unk> and <pad> (a <pad> in a text is our BOS: MarianMTModel
+attends to it, and BOS has <pad>'s rows), and the extra ones tokenizer_config.json,
+special_tokens_map.json and added_tokens.json list, at MarianTokenizer's ids read in each side's
+vocabulary. One MarianMTModel could not embed is refused in one line naming the file and field.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import os
 import numpy as np
 
 from transformer_jax.common.errors import UserInputError, is_integer
-from transformer_jax.data.tokenizer import PAD_ID, with_marian_rules
+from transformer_jax.data.tokenizer import BOS_ID, PAD_ID, UNK_ID, with_marian_rules
 from transformer_jax.importers import hf_files
 from transformer_jax.importers.marian_vocabulary import sentencepiece_vocabulary
 
@@ -80,6 +86,122 @@ def _check_agrees(pieces: list[str], vocab_path: str, spm_path: str) -> None:
     )
 
 
+# The tokenizer files whose special tokens MarianTokenizer reads (transformers 5), and the named
+# special-token fields: MarianTokenizer's own three must be what its conversions have (the ids
+# our model and searches assume); any other named one is cut out of texts as an added token.
+_TOKENIZER_CONFIG, _SPECIAL_TOKENS_MAP, _ADDED_TOKENS = (
+  'tokenizer_config.json',
+  'special_tokens_map.json',
+  'added_tokens.json',
+)
+_MARIAN_TOKENS = {'eos_token': '</s>', 'unk_token': '<unk>', 'pad_token': '<pad>'}
+_OTHER_NAMED_TOKENS = ('bos_token', 'sep_token', 'cls_token', 'mask_token')
+
+
+def _token_text(value, where: str) -> str:
+  """A special token as the files give it: text, or an AddedToken's {'content': text, ...}."""
+  if isinstance(value, dict):
+    if value.get('single_word'):  # Matched only between word boundaries: no rule of ours.
+      raise UserInputError(f'{where}: single_word=true is not supported')
+    value = value.get('content')
+  if not isinstance(value, str) or not value:
+    raise UserInputError(f'{where}: expected a token (text), got {value!r:.60}')
+  return value
+
+
+def special_tokens(folder: str, pieces: list[str]) -> tuple[dict[str, int], list[str]]:
+  """({token: MarianTokenizer's id} of every token its added-token trie cuts out of texts,
+  the files read): its three (</s>, <unk>, <pad>), and any other that tokenizer_config.json,
+  special_tokens_map.json (named fields, additional_special_tokens, extra_special_tokens) or
+  added tokens (tokenizer_config.json added_tokens_decoder, added_tokens.json) list, at its
+  vocab.json id (`pieces` by id) or the id given. One a MarianMTModel cannot embed (no
+  vocab.json id), or that would change the ids of its three, is refused in one line."""
+  ids = {piece: i for i, piece in enumerate(pieces)}
+  tokens = {token: ids[token] for token in _MARIAN_TOKENS.values()}
+  named: list[tuple[str, str]] = []  # (token, where): at its vocab.json id.
+  given: dict[str, tuple[int, str]] = {}  # token -> (id, where): added tokens' own ids.
+  files = []
+  for name in (_TOKENIZER_CONFIG, _SPECIAL_TOKENS_MAP, _ADDED_TOKENS):
+    path = os.path.join(folder, name)
+    if not os.path.exists(path):
+      continue
+    settings = hf_files.read_json(path, 'tokenizer file')
+    if not isinstance(settings, dict):
+      raise UserInputError(f'{path}: not a map of tokenizer settings')
+    files.append(name)
+    if name == _ADDED_TOKENS:
+      given.update((token, (index, f'{path}: {token!r:.40}')) for token, index in settings.items())
+      continue
+    for field, want in _MARIAN_TOKENS.items():
+      if settings.get(field) is not None:
+        value = _token_text(settings[field], f'{path}: {field}')
+        if value != want:
+          raise UserInputError(
+            f'{path}: {field}={value!r:.40} is not supported: MarianMT models have {want!r}'
+          )
+    fields = [(field, settings.get(field)) for field in _OTHER_NAMED_TOKENS]
+    for field in ('additional_special_tokens', 'extra_special_tokens'):
+      listed = settings.get(field) or []
+      if isinstance(listed, dict):
+        listed = list(listed.values())
+      if not isinstance(listed, list):
+        raise UserInputError(f'{path}: {field} must be a list of tokens')
+      # transformers 5 reads a listed {'content': ...} as an AddedToken only when it says so
+      # ('__type'); any other it takes as the text of the dict itself, a token no text holds
+      # (and MarianMTModel could not embed): left out here.
+      listed = [
+        value
+        for value in listed
+        if not isinstance(value, dict) or value.get('__type') == 'AddedToken'
+      ]
+      fields += [(f'{field}[{i}]', value) for i, value in enumerate(listed)]
+    named += [
+      (_token_text(value, f'{path}: {field}'), f'{path}: {field}')
+      for field, value in fields
+      if value is not None
+    ]
+    decoder = settings.get('added_tokens_decoder') or {}
+    if not isinstance(decoder, dict):
+      raise UserInputError(f'{path}: added_tokens_decoder must be a map of ids to tokens')
+    for index, value in decoder.items():
+      where = f'{path}: added_tokens_decoder[{index!r:.20}]'
+      number = int(index) if isinstance(index, str) and index.isdigit() else index
+      given[_token_text(value, where)] = (number, where)
+  for token, where in named:
+    if token not in ids and token not in given:
+      raise UserInputError(
+        f'{where} {token!r:.40} is not in vocab.json: MarianTokenizer would give it a new id, '
+        'which MarianMTModel has no embedding for'
+      )
+    tokens.setdefault(token, ids.get(token))
+  for token, (index, where) in given.items():
+    if not is_integer(index) or not 0 <= index < len(pieces):
+      raise UserInputError(
+        f"{where}: id {index!r:.20} is not among vocab.json's 0..{len(pieces) - 1}: "
+        'MarianMTModel has no embedding for it'
+      )
+    if token in _MARIAN_TOKENS.values() and index != tokens[token]:
+      raise UserInputError(f"{where}: {token} must have vocab.json's id {tokens[token]}")
+    clash = [t for t in _MARIAN_TOKENS.values() if tokens[t] == index and t != token]
+    if clash:
+      raise UserInputError(f"{where}: id {index} is {clash[0]}'s")
+    tokens[token] = int(index)
+  return tokens, files
+
+
+def _side_specials(tokens: dict[str, int], hf_ids: np.ndarray) -> dict[str, int]:
+  """MarianTokenizer's special tokens as one side's ids of ours: its id read in that side's
+  vocabulary (MarianTokenizer's ids are vocab.json's, which a target_vocab.json reads as its own
+  pieces), that side's <pad> our BOS (a token MarianMTModel attends to, whose rows are <pad>'s;
+  our PAD is padding), an id beyond a smaller target vocabulary UNK (MarianMTModel cannot embed
+  it: there is no answer to match)."""
+  pad = len(hf_ids) - 1
+  return {
+    token: BOS_ID if index == pad else int(hf_ids[index]) if index < pad else UNK_ID
+    for token, index in tokens.items()
+  }
+
+
 def read_vocabulary(folder: str, vocab_size: int, target_vocab_size: int) -> HFVocabulary:
   """The vocabularies of a MarianMT folder whose config.json has these sizes (the module
   docstring)."""
@@ -87,7 +209,7 @@ def read_vocabulary(folder: str, vocab_size: int, target_vocab_size: int) -> HFV
   for name in ('vocab.json', 'source.spm', 'target.spm'):
     if not os.path.exists(inside(name)):
       raise UserInputError(f'--model={folder}: {name} is missing (MarianTokenizer needs it)')
-  tokenizer_config = inside('tokenizer_config.json')
+  tokenizer_config = inside(_TOKENIZER_CONFIG)
   separate = False
   if os.path.exists(tokenizer_config):
     settings = hf_files.read_json(tokenizer_config, 'tokenizer config')
@@ -132,6 +254,7 @@ def read_vocabulary(folder: str, vocab_size: int, target_vocab_size: int) -> HFV
 
   vocab_size = len(_RESERVED) + len(joint) - 2 + extra
   source_ids, target_ids = ids(source), ids(target)
+  tokens, tokenizer_files = special_tokens(folder, source)
 
   def lacking(side: np.ndarray) -> list[int]:  # Our ids this side's vocabulary has no piece for.
     return sorted(set(range(len(_RESERVED), vocab_size)) - set(side.tolist()))
@@ -141,14 +264,17 @@ def read_vocabulary(folder: str, vocab_size: int, target_vocab_size: int) -> HFV
   # vocabulary's bytes (data/tokenizer.py). A target model apart gets the target's.
   if target_vocabulary is None and separate:
     target_vocabulary = vocabulary  # The same .spm, other ids to lack.
+  source_rules = lacking(source_ids), _side_specials(tokens, source_ids)
+  target_rules = lacking(target_ids), _side_specials(tokens, target_ids)
+  if target_vocabulary is None and target_rules != source_rules:
+    target_vocabulary = vocabulary  # The same .spm, other rules.
   return HFVocabulary(
-    vocabulary=with_marian_rules(vocabulary, lacking(source_ids)),
-    target_vocabulary=target_vocabulary
-    and with_marian_rules(target_vocabulary, lacking(target_ids)),
+    vocabulary=with_marian_rules(vocabulary, *source_rules),
+    target_vocabulary=target_vocabulary and with_marian_rules(target_vocabulary, *target_rules),
     source_ids=source_ids,
     target_ids=target_ids,
     extra=extra,
     separate=separate,
     vocab_size=vocab_size,
-    files=files + ['source.spm', 'target.spm'],
+    files=files + ['source.spm', 'target.spm'] + [f for f in tokenizer_files if f not in files],
   )
