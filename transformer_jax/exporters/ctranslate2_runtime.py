@@ -4,16 +4,24 @@ agreement tests use it): translation options, GNMT re-ranking of CTranslate2's h
 `Translator.hypotheses` returns them (`hypotheses`), scoring as `Translator.score` (`score`), and
 the one import of the optional `ctranslate2` package (`import_ctranslate2`).
 
+Text becomes CTranslate2's pieces through the export's vocabulary (`load_tokenizers`: our
+`Tokenizer`, which cuts a MarianMT import's language tags and special tokens out as
+MarianTokenizer does before SentencePiece sees the rest, and segments targets with the
+workdir's own target model where it has one); a bare `sentencepiece.SentencePieceProcessor`
+is taken too, for vocabularies without such rules.
+
 This module runs with transformer_jax installed; the export itself is
 `exporters.ctranslate2_spec`."""
 
 from __future__ import annotations
 
+import os
 from typing import Sequence
 
 import numpy as np
 
 from transformer_jax.common.errors import UserInputError
+from transformer_jax.data.tokenizer import Tokenizer
 from transformer_jax.inference import batches, scoring
 from transformer_jax.inference.decoding import EXTRA_DECODE_LENGTH
 from transformer_jax.inference.options import DecodingOptions, Hypothesis
@@ -31,6 +39,42 @@ def import_ctranslate2(needed_by: str):
       f"{needed_by} needs the ctranslate2 package: pip install -e '.[export]'"
     ) from None
   return ctranslate2
+
+
+# The export's vocabulary, and its target side's where the workdir segments targets apart
+# (`Workdir.target_vocab_file`; absent: the vocabulary does both).
+SENTENCEPIECE_FILE = 'sentencepiece.model'
+TARGET_SENTENCEPIECE_FILE = 'target_sentencepiece.model'
+
+
+def load_tokenizers(directory: str) -> tuple[Tokenizer, Tokenizer]:
+  """(sources' tokenizer, targets') of a CTranslate2 export written by this project."""
+  source = Tokenizer.load(os.path.join(directory, SENTENCEPIECE_FILE))
+  target_path = os.path.join(directory, TARGET_SENTENCEPIECE_FILE)
+  return source, Tokenizer.load(target_path) if os.path.exists(target_path) else source
+
+
+class _Pieces:
+  """Text <-> CTranslate2's pieces: through our `Tokenizer` (MarianTokenizer's rules where its
+  vocabulary has them; decoded text stripped as it strips it) or a bare SentencePiece
+  processor."""
+
+  def __init__(self, tokenizer):
+    self.tokenizer = tokenizer
+    self.ours = isinstance(tokenizer, Tokenizer)
+
+  def encode(self, text: str) -> list[int]:
+    return self.tokenizer.encode(text) if self.ours else self.tokenizer.encode(text, out_type=int)
+
+  def pieces(self, ids: Sequence[int]) -> list[str]:
+    if self.ours:
+      return self.tokenizer.pieces(ids)
+    return [self.tokenizer.id_to_piece(int(i)) for i in ids]
+
+  def decode(self, pieces: Sequence[str]) -> str:
+    if self.ours:
+      return self.tokenizer.decode(self.tokenizer.piece_ids(pieces))
+    return self.tokenizer.decode(list(pieces))
 
 
 # --- Decoding as ours --------------------------------------------------------------------------
@@ -74,14 +118,16 @@ def translate(
 ) -> list[str]:
   """CTranslate2 translations of `sentences` decoded as `inference.Translator.translate` does.
 
-  translator: a `ctranslate2.Translator`; sentencepiece: the exported SentencePiece processor.
-  Blank sentences give empty translations, as ours.
+  translator: a `ctranslate2.Translator`; sentencepiece: the export's source `Tokenizer`
+  (`load_tokenizers`), or its SentencePiece processor where the vocabulary has no
+  MarianTokenizer rules. Blank sentences give empty translations, as ours.
   """
+  codec = _Pieces(sentencepiece)
   outputs = [''] * len(sentences)
   rows = [i for i, sentence in enumerate(sentences) if sentence.strip()]
   if not rows:
     return outputs
-  source = {i: sentencepiece.encode(sentences[i], out_type=str) for i in rows}
+  source = {i: codec.pieces(codec.encode(sentences[i])) for i in rows}
   # Ours caps each output at its source length (with EOS, after the cut to max_len) + 50
   # tokens and at max_len, EOS counted; CTranslate2 takes one cap per call: one call per cap.
   by_cap: dict[int, list[int]] = {}
@@ -99,7 +145,7 @@ def translate(
         best = gnmt_best(result.hypotheses, result.scores, alpha)
       else:
         best = result.hypotheses[0]
-      outputs[index] = sentencepiece.decode(best)
+      outputs[index] = codec.decode(best)
   return outputs
 
 
@@ -122,10 +168,12 @@ def hypotheses(
   sampling_topp: float = 1.0,
   seed: int | None = None,
   max_batch_size: int = 64,
+  target_sentencepiece=None,
 ) -> list[list[Hypothesis]]:
   """CTranslate2's num_hypotheses `Hypothesis`es per sentence, best first, as
   `inference.Translator.hypotheses` returns them (blank sentence: []; same option checks,
-  caps, prefix segmentation and errors).
+  caps, prefix segmentation and errors). sentencepiece as `translate`'s; target_sentencepiece
+  segments the prefixes (None: sentencepiece).
 
   Beam search asks CTranslate2 for all beam_size hypotheses by log-prob (length_penalty=0: its
   search is ours with beam_rule='ctranslate2') and ranks them by the GNMT penalty at `alpha`
@@ -157,12 +205,14 @@ def hypotheses(
     sampling_topp=sampling_topp,
     seed=0 if seed is None else seed,
   ).check()
-  jobs = batches.encode_sources(sentences, sentencepiece, max_len)
+  codec = _Pieces(sentencepiece)
+  jobs = batches.encode_sources(sentences, codec, max_len)
   if target_prefix is not None:
-    batches.add_prefixes(jobs, target_prefix, sentencepiece, len(sentences))
+    targets = codec if target_sentencepiece is None else _Pieces(target_sentencepiece)
+    batches.add_prefixes(jobs, target_prefix, targets, len(sentences))
   if seed is not None and sampling:
     import_ctranslate2('sampling').set_random_seed(seed)
-  pieces = lambda ids: [sentencepiece.id_to_piece(int(i)) for i in ids]  # noqa: E731
+  pieces = codec.pieces
   found: list[list[Hypothesis]] = [[] for _ in sentences]
   for cap, group in _calls(jobs):
     sources = [pieces(job.ids[:-1]) for job in group]  # CTranslate2 adds the source EOS.
@@ -197,7 +247,7 @@ def hypotheses(
     for job, rows in zip(group, candidates):
       if options.sampling and options.sampling_topk == 1:
         rows = rows * options.candidates  # Asked once (see search_options): every draw is it.
-      found[job.index] = _ranked(sentencepiece, rows, options)
+      found[job.index] = _ranked(codec, rows, options)
   return found
 
 
@@ -258,7 +308,7 @@ def _prefix_log_probs(translator, sources, prefixes, max_batch_size: int) -> lis
   return totals
 
 
-def _ranked(sentencepiece, rows: list, options: DecodingOptions) -> list[Hypothesis]:
+def _ranked(codec: _Pieces, rows: list, options: DecodingOptions) -> list[Hypothesis]:
   """Hypotheses ranked by score (log_prob over the GNMT penalty, EOS counted), best first (a
   stable sort: CTranslate2's order in ties), cut to num_hypotheses."""
   candidates = []
@@ -266,7 +316,7 @@ def _ranked(sentencepiece, rows: list, options: DecodingOptions) -> list[Hypothe
     tokens = len(pieces) + 1
     candidates.append(
       Hypothesis(
-        text=sentencepiece.decode(pieces),
+        text=codec.decode(pieces),
         log_prob=log_prob,
         score=log_prob / host_length_penalty(tokens, options.alpha),
         tokens=tokens,
@@ -285,12 +335,16 @@ def score(
   max_len: int,
   per_token: bool = False,
   max_batch_size: int = 64,
+  target_sentencepiece=None,
 ) -> list[dict]:
   """CTranslate2's `score_batch` of each (source, target) pair as `inference.Translator.score`
   returns it: {'log_prob', 'tokens' (EOS counted), 'mean', 'token_log_probs' with per_token};
-  the same checks (a target over max_len tokens refused, a longer source cut)."""
-  pairs = scoring.encode_pairs(sources, targets, sentencepiece, sentencepiece, max_len)
-  pieces = lambda ids: [sentencepiece.id_to_piece(int(i)) for i in ids[:-1]]  # noqa: E731
+  the same checks (a target over max_len tokens refused, a longer source cut). sentencepiece
+  as `translate`'s; target_sentencepiece segments the targets (None: sentencepiece)."""
+  codec = _Pieces(sentencepiece)
+  targets_codec = codec if target_sentencepiece is None else _Pieces(target_sentencepiece)
+  pairs = scoring.encode_pairs(sources, targets, codec, targets_codec, max_len)
+  pieces = lambda ids: codec.pieces(ids[:-1])  # noqa: E731
   results = translator.score_batch(
     [pieces(source) for source, _ in pairs],
     [pieces(target) for _, target in pairs],

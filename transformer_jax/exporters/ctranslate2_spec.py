@@ -44,6 +44,8 @@ computes in the type of `--quantization` (or its `compute_type=` when loading).
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import json
 import math
 import os
 from typing import Any
@@ -54,6 +56,7 @@ from transformer_jax.common import paths
 from transformer_jax.common.errors import UserInputError
 from transformer_jax.common.log import log
 from transformer_jax.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer
+from transformer_jax.exporters import ctranslate2_runtime, stablehlo_runner
 from transformer_jax.exporters.ctranslate2_runtime import import_ctranslate2
 from transformer_jax.inference.translator import Translator
 from transformer_jax.model.config import SIZE_FIELDS, TRAINING_ONLY_FIELDS, TransformerConfig
@@ -71,7 +74,13 @@ QUANTIZATIONS = (
   'bfloat16',
   'float32',
 )
-SENTENCEPIECE_FILE = 'sentencepiece.model'
+SENTENCEPIECE_FILE = ctranslate2_runtime.SENTENCEPIECE_FILE
+# Where the workdir segments targets with a model of its own (an OPUS-MT import's target.spm, a
+# MarianMT import's separate vocabularies): its copy, for target prefixes and scored targets.
+TARGET_SENTENCEPIECE_FILE = ctranslate2_runtime.TARGET_SENTENCEPIECE_FILE
+# A MarianMT import's vocabulary: MarianTokenizer's rules as data (`Tokenizer.marian_record`),
+# for the README's tokenization (`stablehlo_runner.marian_encode`).
+MARIAN_RULES_FILE = 'marian_rules.json'
 README_FILE = 'README.md'
 # Added to PAD's output logit: exp(-1e4) is 0 in every float type, and -1e4 is finite in float16.
 PAD_LOGIT_BIAS = -1e4
@@ -298,19 +307,19 @@ Exported by `python -m transformer_jax.export --format=ctranslate2` from `{workd
 SentencePiece vocabulary. With `pip install ctranslate2=={version} sentencepiece`:
 
 ```python
-import ctranslate2, sentencepiece
+import ctranslate2, sentencepiece{imports}
 translator = ctranslate2.Translator('{out}')  # compute_type='int8': faster on CPU
 sp = sentencepiece.SentencePieceProcessor(model_file='{out}/{spm}')
-results = translator.translate_batch(
-  [sp.encode(s, out_type=str) for s in ['{example}']],
+{tokenize}results = translator.translate_batch(
+  [{encode} for s in ['{example}']],
   beam_size=4, num_hypotheses=4, length_penalty=0, return_scores=True,
   max_input_length={max_len}, max_decoding_length={max_decode}, min_decoding_length=0)
 # Rank as transformer_jax: log P / ((5 + |y|) / 6) ** alpha, alpha = 0.6, |y| counting EOS.
 best = [max(zip(r.hypotheses, r.scores), key=lambda h: h[1] / ((6 + len(h[0])) / 6) ** 0.6)[0]
         for r in results]
-print([sp.decode(tokens) for tokens in best])
+print([{decode} for tokens in best])
 ```
-
+{marian}
 With float32 weights these are the translations of `python -m transformer_jax.translate`
 (beam 4, alpha 0.6; int8 weights change a few); `beam_size=1` (and
 `best = [r.hypotheses[0] for r in results]`) is its `--beam_size=1`.
@@ -320,6 +329,63 @@ CTranslate2's own ranking, `length_penalty=0.6` with `num_hypotheses=1`, divides
 an empty translation, as transformer_jax does (CTranslate2's default is 1). The same in Python
 with transformer_jax installed: `transformer_jax.exporters.ctranslate2_runtime.translate`.
 """
+
+
+# A MarianMT import's vocabulary (`Tokenizer.marian_record`): the README tokenizes as
+# MarianTokenizer does, with the rules the export writes beside the model.
+_MARIAN_TOKENIZE = """\
+# This vocabulary is a transformers MarianTokenizer's: tokenize as it does.
+rules = json.load(open('{out}/{rules}', encoding='utf-8'))
+{function}
+"""
+_MARIAN_NOTE = """
+This vocabulary was imported from a transformers MarianMT model: text is cut as MarianTokenizer
+cuts it before SentencePiece sees it (its special tokens wherever they stand, then a leading
+language tag such as `>>deu<<`; pieces its vocabulary lacks read as `<unk>`), which
+SentencePiece alone cannot do. `{rules}` holds the rule's data, and `marian_encode` above
+applies it; decoded text is stripped, as MarianTokenizer strips it.{target}
+"""
+_MARIAN_TARGET = f"""
+Targets (prefixes, scored translations) are segmented by `{TARGET_SENTENCEPIECE_FILE}`, with
+rules of their own (transformer_jax's `ctranslate2_runtime.load_tokenizers` reads both)."""
+
+
+def readme_code(tokenizer: Tokenizer) -> dict[str, str]:
+  """The README template's tokenization slots: SentencePiece's own, or MarianTokenizer's for a
+  MarianMT import's vocabulary (`stablehlo_runner.marian_encode`, its source shown)."""
+  if not tokenizer.marian_rules:
+    return dict(
+      imports='',
+      tokenize='',
+      encode='sp.encode(s, out_type=str)',
+      decode='sp.decode(tokens)',
+    )
+  return dict(
+    imports=', json, re',
+    tokenize=_MARIAN_TOKENIZE.format(
+      out='{out}',
+      rules=MARIAN_RULES_FILE,
+      function=inspect.getsource(stablehlo_runner.marian_encode),
+    ),
+    encode='[sp.id_to_piece(i) for i in marian_encode(sp, s, rules)]',
+    decode='sp.decode(tokens).strip()',
+  )
+
+
+def write_vocabularies(workdir: str, tokenizer: Tokenizer, folder: str) -> None:
+  """The workdir's vocabulary (and its target side's model, if any) into the export `folder`,
+  with MarianTokenizer's rules as data where the vocabulary has them."""
+  layout = Workdir(workdir)
+  with open(os.path.join(folder, SENTENCEPIECE_FILE), 'wb') as f:
+    f.write(layout.vocab_file.read_bytes())
+  if layout.target_vocab_file.exists():
+    with open(os.path.join(folder, TARGET_SENTENCEPIECE_FILE), 'wb') as f:
+      f.write(layout.target_vocab_file.read_bytes())
+  record = tokenizer.marian_record()
+  if record is not None:
+    with open(os.path.join(folder, MARIAN_RULES_FILE), 'w', encoding='utf-8') as f:
+      json.dump(record, f, indent=1, ensure_ascii=False)
+      f.write('\n')
 
 
 def export(
@@ -353,11 +419,17 @@ def export(
   with paths.staged_folder(out_dir) as staging:
     spec.save(staging)
     paths.mark_export_folder(staging)
-    with open(os.path.join(staging, SENTENCEPIECE_FILE), 'wb') as f:
-      f.write(Workdir(workdir).vocab_file.read_bytes())
+    write_vocabularies(workdir, restored.tokenizer, staging)
+    code = readme_code(restored.tokenizer)
+    marian = ''
+    if restored.tokenizer.marian_rules:
+      apart = Workdir(workdir).target_vocab_file.exists()
+      marian = _MARIAN_NOTE.format(rules=MARIAN_RULES_FILE, target=_MARIAN_TARGET if apart else '')
     with open(os.path.join(staging, README_FILE), 'w', encoding='utf-8') as f:
       f.write(
         _README.format(
+          **{k: v.replace('{out}', out_dir) for k, v in code.items()},
+          marian=marian,
           name=os.path.basename(out_dir),
           workdir=workdir,
           checkpoint=checkpoint or 'the default, averaged if current, else latest',

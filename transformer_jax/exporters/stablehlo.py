@@ -32,7 +32,10 @@ DIR holds:
                                           `stored_parameters`)
     sentencepiece.model                   the workdir's shared vocabulary
     manifest.json                         shapes, dtypes, special ids, defaults, lengths, jax
-                                          version
+                                          version; for a MarianMT import's vocabulary,
+                                          MarianTokenizer's rules ('marian_rules': special
+                                          tokens, ids read as <unk>), which the runner applies
+                                          before SentencePiece
     translate.py                          the runner (`stablehlo_runner.py`): jax, numpy and
                                           sentencepiece only
     README.md                             how to run it
@@ -234,6 +237,7 @@ def manifest(
   default_alpha: float,
   workdir: str,
   checkpoint: int | str | None,
+  marian_rules: dict | None = None,
 ) -> dict:
   def shape(aval) -> str:
     return f'[{", ".join(map(str, aval.shape))}]'  # Symbolic dims by name: [b, s].
@@ -281,6 +285,8 @@ def manifest(
       'dtypes_by_name': {name: str(value.dtype) for name, value in flat_params.items()},
     },
     'sentencepiece_model': SENTENCEPIECE_FILE,
+    # A MarianMT import's vocabulary: MarianTokenizer's rules (`stablehlo_runner.marian_encode`).
+    'marian_rules': marian_rules,
   }
 
 
@@ -408,6 +414,7 @@ def export(
       default_alpha=float(alpha),
       workdir=workdir,
       checkpoint=checkpoint,
+      marian_rules=restored.tokenizer.marian_record(),
     )
     with open(os.path.join(staging, stablehlo_runner.MANIFEST_FILE), 'w', encoding='utf-8') as f:
       json.dump(description, f, indent=2)

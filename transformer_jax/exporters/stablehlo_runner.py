@@ -17,7 +17,9 @@ exported search decodes min(bucket + 50, max_len) positions, the Translator's de
 output capped at its source length + 50 tokens (EOS counted), control ids dropped before
 detokenising. The search itself, encoder and cached decoder included, is the exported function,
 in the dtype it was exported in (manifest.json's 'dtype'; its parameters are read back in theirs,
-`load_parameters`).
+`load_parameters`). A vocabulary imported from a transformers MarianMT model segments text as
+MarianTokenizer does (language tags, special tokens), which SentencePiece alone cannot: the
+manifest's 'marian_rules' (`Tokenizer.marian_record`) says how, and `marian_encode` applies it.
 """
 
 from __future__ import annotations
@@ -59,6 +61,30 @@ def strip_after_eos(tokens: np.ndarray, eos_id: int, pad_id: int) -> list[list[i
   return rows
 
 
+def marian_encode(sp, text: str, rules: dict) -> list[int]:
+  """The ids of `text` as transformers' MarianTokenizer cuts it (transformer_jax's
+  `Tokenizer._marian_segments`, copied: this file imports nothing of transformer_jax; the
+  CTranslate2 export's README shows this function too; tests/import_hf_workdir_test.py checks
+  that both give the same ids): the special tokens `rules['specials']` ({token: id}) out
+  wherever they stand, leftmost then longest; in each stretch of text between them a leading
+  `>>code<<` out as the id of that piece (a language tag); the rest through SentencePiece
+  (`sp`); ids in `rules['unknown_ids']` read as `rules['unk_id']`."""
+  specials, unknown = rules['specials'], set(rules['unknown_ids'])
+  tokens = sorted(specials, key=lambda token: (-len(token), token))
+  split = re.compile('(' + '|'.join(map(re.escape, tokens)) + ')' if tokens else '((?!))')
+  ids = []
+  for index, part in enumerate(split.split(text)):
+    if index % 2:  # A special token.
+      ids.append(specials[part])
+      continue
+    if part.startswith('>>') and (end := part.find('<<')) != -1:
+      ids.append(sp.piece_to_id(part[: end + 2]))  # A language tag: that piece, or <unk>.
+      part = part[end + 2 :]
+    if part:
+      ids += sp.encode(part, out_type=int)
+  return [rules['unk_id'] if i in unknown else i for i in ids]
+
+
 def load_parameters(path: str, description: dict) -> dict[str, np.ndarray]:
   """parameters.npz as the search takes them: the arrays named in the manifest's
   parameters.shapes, the bfloat16 ones (stored as uint16 bit patterns: NumPy cannot name
@@ -91,6 +117,7 @@ class ExportedTranslator:
     self.sentencepiece = sentencepiece.SentencePieceProcessor(
       model_file=self._path(self.manifest['sentencepiece_model'])
     )
+    self.marian_rules = self.manifest.get('marian_rules')  # None: SentencePiece alone.
     parameters = self.manifest['parameters']
     stored = load_parameters(self._path(parameters['file']), parameters)
     # On the device once: the searches would otherwise copy every weight at every call.
@@ -129,7 +156,15 @@ class ExportedTranslator:
   def _detokenise(self, ids: Sequence[int]) -> str:
     # Control ids are not text (as the Tokenizer); unk stays visible as SentencePiece renders it.
     control = (self.pad_id, self.eos_id, self.bos_id)
-    return self.sentencepiece.decode([i for i in ids if i not in control])
+    text = self.sentencepiece.decode([i for i in ids if i not in control])
+    # MarianTokenizer's decode strips the text, as the Tokenizer does for its vocabularies.
+    return text.strip() if self.marian_rules and self.marian_rules['strip'] else text
+
+  def encode(self, sentence: str) -> list[int]:
+    """The source ids of `sentence` (no EOS), as the workdir's Tokenizer gives them."""
+    if self.marian_rules:
+      return marian_encode(self.sentencepiece, sentence, self.marian_rules)
+    return self.sentencepiece.encode(sentence, out_type=int)
 
   def translate(
     self,
@@ -158,7 +193,7 @@ class ExportedTranslator:
       if not sentence.strip():
         encoded.append(None)
         continue
-      ids = self.sentencepiece.encode(sentence, out_type=int)
+      ids = self.encode(sentence)
       if len(ids) + 1 > self.max_len:
         print(
           f'sentence {index} has {len(ids) + 1} tokens; truncated to the model maximum '

@@ -88,6 +88,7 @@ def source_digest(translator: Translator, quantization: str, ctranslate2_version
   header = {
     'model': translator.model_config.to_dict(),
     'vocabulary': translator.tokenizer.fingerprint,
+    'target_vocabulary': translator.target_tokenizer.fingerprint,
     'quantization': quantization,
     'ctranslate2': ctranslate2_version,
   }
@@ -162,19 +163,19 @@ def prepare(
     'ctranslate2': ctranslate2.__version__,
     'written': time.strftime('%Y-%m-%dT%H:%M:%S%z'),
   }
-  _write(spec, Workdir(workdir).vocab_file.read_bytes(), record, directory)
+  _write(spec, workdir, restored, record, directory)
   logging.info('exported to %s in %.1f s', directory, time.perf_counter() - began)
   return directory, restored, False
 
 
-def _write(spec, vocabulary: bytes, record: dict, directory: str) -> None:
-  """The spec, the SentencePiece model and the record (last) into a hidden sibling folder, which
-  then replaces `directory` (`paths.staged_folder`: never fewer than one complete export, and
-  a second server exporting at once never removes this one's folder)."""
+def _write(spec, workdir: str, restored: Translator, record: dict, directory: str) -> None:
+  """The spec, the vocabularies (`ctranslate2_spec.write_vocabularies`) and the record (last)
+  into a hidden sibling folder, which then replaces `directory` (`paths.staged_folder`: never
+  fewer than one complete export, and a second server exporting at once never removes this
+  one's folder)."""
   with paths.staged_folder(directory) as staging:
     spec.save(staging)
-    with open(os.path.join(staging, ctranslate2_spec.SENTENCEPIECE_FILE), 'wb') as f:
-      f.write(vocabulary)
+    ctranslate2_spec.write_vocabularies(workdir, restored.tokenizer, staging)
     with open(os.path.join(staging, SOURCE_FILE), 'w', encoding='utf-8') as f:
       json.dump(record, f, indent=2, sort_keys=True)
 
@@ -189,8 +190,6 @@ class CTranslate2Engine(Engine):
     self, directory: str, max_len: int, max_batch_size: int, intra_threads: int | None = None
   ):
     ctranslate2 = require()
-    import sentencepiece  # A dependency of transformer_jax itself.
-
     self.directory = directory
     self.max_len = max_len
     self.max_batch_size = max_batch_size
@@ -198,12 +197,11 @@ class CTranslate2Engine(Engine):
     self.translator = ctranslate2.Translator(
       directory, device='cpu', inter_threads=1, intra_threads=self.intra_threads
     )
-    self.sentencepiece = sentencepiece.SentencePieceProcessor(
-      model_file=os.path.join(directory, ctranslate2_spec.SENTENCEPIECE_FILE)
-    )
+    # The workdir's Tokenizers, MarianTokenizer's rules included where its vocabulary has them.
+    self.tokenizer, self.target_tokenizer = ctranslate2_runtime.load_tokenizers(directory)
 
   def length(self, sentence: str) -> int:
-    return len(self.sentencepiece.encode(sentence))
+    return len(self.tokenizer.encode(sentence))
 
   def check(
     self,
@@ -213,9 +211,9 @@ class CTranslate2Engine(Engine):
   ) -> None:
     """A prefix that cannot fit its sentence, as the jax engine refuses it."""
     if target_prefix is not None:
-      jobs = batches.encode_sources(sentences, self.sentencepiece, self.max_len)
+      jobs = batches.encode_sources(sentences, self.tokenizer, self.max_len)
       name = lambda index: f'"target_prefix"[{index}]'  # noqa: E731
-      batches.add_prefixes(jobs, target_prefix, self.sentencepiece, len(sentences), name)
+      batches.add_prefixes(jobs, target_prefix, self.target_tokenizer, len(sentences), name)
 
   def decode(
     self,
@@ -239,7 +237,7 @@ class CTranslate2Engine(Engine):
   def _hypotheses(self, sentences, options: DecodingOptions, target_prefix):
     return ctranslate2_runtime.hypotheses(
       self.translator,
-      self.sentencepiece,
+      self.tokenizer,
       sentences,
       max_len=self.max_len,
       beam_size=options.beam_size,
@@ -252,11 +250,12 @@ class CTranslate2Engine(Engine):
       sampling_topp=options.sampling_topp,
       seed=None,  # Unseeded: see the module docstring.
       max_batch_size=self.max_batch_size,
+      target_sentencepiece=self.target_tokenizer,
     )
 
   def warm_up(self, served: Served) -> None:
     """One full batch per served mode: CTranslate2 allocates its buffers on first use."""
-    sentence = self.sentencepiece.decode(list(range(4, min(20, self.sentencepiece.vocab_size()))))
+    sentence = self.tokenizer.decode(list(range(4, min(20, self.tokenizer.vocab_size))))
     sentences = [sentence] * self.max_batch_size
     for options, prefixed in served.warm_up_options():
       if not prefixed:
