@@ -235,3 +235,22 @@ def test_a_literal_pad_computes_as_marian_mt_model_computes_it(folders):
   np.testing.assert_allclose(
     out[..., table[: len(theirs.encoder) - 1]], logits[..., :-1], atol=1e-4
   )
+
+
+def test_a_vocabulary_marked_by_the_first_imports_reads_as_before(folders):
+  """The marker without special tokens (the first imports': _MARIAN_TEXT_V1) reads as the
+  default three, </s>, <unk>, <pad>, and keeps its ids read as <unk>."""
+  import struct
+
+  from transformer_jax.data import tokenizer as tokenizer_module
+
+  ours, _ = _ours(folders['shared'][0])
+  plain, unknown = tokenizer_module.split_marian_rules(ours.model_bytes)
+  ids = sorted(unknown)
+  payload = tokenizer_module._MARIAN_TEXT_V1 + struct.pack(f'<{len(ids)}I', *ids)
+  payload += struct.pack('<I', len(ids))
+  field = tokenizer_module._varint(tokenizer_module._MARIAN_FIELD << 3 | 2)
+  old = Tokenizer(plain + field + tokenizer_module._varint(len(payload)) + payload)
+  assert old.marian_rules and old.marian_record()['unknown_ids'] == ids
+  assert old.marian_record()['specials'] == {'</s>': 1, '<pad>': BOS_ID, '<unk>': UNK_ID}
+  assert old.encode_batch(TEXTS) == ours.encode_batch(TEXTS)
