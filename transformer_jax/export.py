@@ -2,8 +2,10 @@
 
     python -m transformer_jax.export --workdir=DIR --format=ctranslate2 --out=MODEL_DIR \\
         [--quantization=int8|int16|float16|float32] [--checkpoint=averaged|latest|STEP]
-    python -m transformer_jax.export --workdir=DIR --format=stablehlo --out=MODEL_DIR \
+    python -m transformer_jax.export --workdir=DIR --format=stablehlo --out=MODEL_DIR \\
         [--dtype=float32|bfloat16|float16] [--checkpoint=averaged|latest|STEP]
+    python -m transformer_jax.export --workdir=DIR --format=huggingface --out=MODEL_DIR \\
+        [--checkpoint=averaged|latest|STEP]
 
 --format=ctranslate2 writes a CTranslate2 model directory (CTranslate2's TransformerSpec, with
 the vocabulary, the SentencePiece model and a README showing how to load it); it needs the
@@ -12,6 +14,11 @@ the vocabulary, the SentencePiece model and a README showing how to load it); it
 parameters, the SentencePiece model and a `translate.py` that needs only jax, numpy and
 sentencepiece; --dtype is what those searches compute in and the parameters' matrices are
 stored in (default: the model's own). See exporters/stablehlo.py.
+--format=huggingface writes a transformers MarianMT folder (config.json, model.safetensors,
+source.spm, target.spm, vocab.json, tokenizer and generation configs, a README) that
+`MarianMTModel.from_pretrained` and `MarianTokenizer.from_pretrained` load; it needs only
+`safetensors` (no torch). Its weights are float32: --quantization and --dtype other than float32
+are refused (transformers casts when it loads). See exporters/huggingface.py.
 
 --dtype is refused with --format=ctranslate2: CTranslate2 stores its weights in the type
 --quantization names (float16, bfloat16, int8, ...) and chooses the type it computes in when it
@@ -23,20 +30,23 @@ from absl import flags
 
 from transformer_jax import cli
 from transformer_jax.common.errors import UserInputError
-from transformer_jax.exporters import ctranslate2_spec, stablehlo
+from transformer_jax.exporters import ctranslate2_spec, huggingface, stablehlo
 
 FLAGS = flags.FLAGS
 
 
 def _define_flags():
   cli.define_workdir_flag()
-  flags.DEFINE_enum('format', None, ['ctranslate2', 'stablehlo'], 'What to export to.')
+  flags.DEFINE_enum(
+    'format', None, ['ctranslate2', 'stablehlo', 'huggingface'], 'What to export to.'
+  )
   flags.DEFINE_string('out', None, 'Directory to write (local; refused if it exists, see --force).')
   flags.DEFINE_string(
     'quantization',
     None,
     'ctranslate2: weight type, one of ' + ', '.join(ctranslate2_spec.QUANTIZATIONS) + ' '
-    "(default float32; 'int8' for fast CPU inference). stablehlo: see --dtype.",
+    "(default float32; 'int8' for fast CPU inference). stablehlo: see --dtype. huggingface: "
+    'float32 only.',
   )
   cli.define_checkpoint_flag()
   cli.define_dtype_flag()
@@ -47,7 +57,7 @@ def _define_flags():
 def main(argv):
   del argv
   options = {}
-  if FLAGS.format == 'stablehlo':
+  if FLAGS.format in ('stablehlo', 'huggingface'):
     options['dtype'] = FLAGS.dtype
   elif FLAGS.dtype is not None:
     # Every --dtype is also a CTranslate2 weight type: name the flag that stores it.
@@ -56,7 +66,11 @@ def main(argv):
       f'--quantization={FLAGS.dtype} (the weights are stored in it; CTranslate2 chooses the '
       'type it computes in when it loads the model, compute_type=)'
     )
-  exporters = {'ctranslate2': ctranslate2_spec.export, 'stablehlo': stablehlo.export}
+  exporters = {
+    'ctranslate2': ctranslate2_spec.export,
+    'stablehlo': stablehlo.export,
+    'huggingface': huggingface.export,
+  }
   out = exporters[FLAGS.format](
     FLAGS.workdir,
     FLAGS.out,
