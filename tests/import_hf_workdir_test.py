@@ -115,7 +115,7 @@ def _ids(tokenizer, texts):
 
 # --- Fine-tuning -------------------------------------------------------------------------------
 
-STEPS = 8
+STEPS = 4
 
 
 def _training_config(corpus: str, data_dir: str):
@@ -307,7 +307,8 @@ OPTIONS = {
   'MBR over the beam': (dict(output_format='jsonl', mbr=3), _mbr),
   'target prefixes, greedy': (dict(beam_size=1, target_prefix_path='prefixes.txt'), _prefixed),
   'alignments': (dict(output_format='jsonl', alignments=True, num_hypotheses=3), _aligned),
-  'ensemble with itself': (dict(models='copies'), _beam),  # A model with itself: the model.
+  # A model with itself: the model (greedy: the ensemble's search is beam search's too).
+  'ensemble with itself': (dict(models='copies', beam_size=1), _greedy),
   'bfloat16, greedy': (dict(dtype='bfloat16', beam_size=1), _well_formed),
 }
 
