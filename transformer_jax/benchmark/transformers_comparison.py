@@ -77,8 +77,8 @@ def _tokenizer_files(folder: str, rng: np.random.Generator, vocab_size: int):
   text = [' '.join(rng.choice(words, rng.integers(8, 20))) for _ in range(3_000)]
   prefix = os.path.join(folder, 'source')
   pieces = marian_npz.train_sentencepiece(prefix, text, min(_PIECES, vocab_size - 1))
-  os.rename(prefix + '.model', os.path.join(folder, 'source.spm'))
-  shutil.copy(os.path.join(folder, 'source.spm'), os.path.join(folder, 'target.spm'))
+  for name in ('source.spm', 'target.spm'):  # Copies: a scratch folder, nothing to replace.
+    shutil.copy(prefix + '.model', os.path.join(folder, name))
   fillers = [f'unused{i}' for i in range(vocab_size - 1 - len(pieces))]
   with open(os.path.join(folder, 'vocab.json'), 'w') as f:
     json.dump({p: i for i, p in enumerate([*pieces, *fillers, '<pad>'])}, f)
