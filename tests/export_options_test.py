@@ -278,3 +278,28 @@ def test_options_and_prefixes_are_checked_as_ours_and_blank_sentences_give_none(
     theirs(translator, exported, ['one'], target_prefix=['eins ' * 30])
   found = theirs(translator, exported, ['', 'forty-two', ' '], beam_size=4, num_hypotheses=3)
   assert found[0] == found[2] == [] and len(found[1]) == 3
+
+
+def test_a_model_field_no_export_knows_is_refused_off_its_default():
+  # A field added to the model later (here a subclass's): every exporter refuses it unless it is
+  # at its default, through model.config.refuse_unknown_variant.
+  import dataclasses
+
+  from transformer_jax.exporters import ctranslate2_spec, huggingface
+  from transformer_jax.model.config import TransformerConfig
+
+  @dataclasses.dataclass(frozen=True)
+  class Later(TransformerConfig):
+    new_field: int = 0
+
+  for check, name in (
+    (ctranslate2_spec.check_exportable, 'the CTranslate2 export'),
+    (huggingface.check_exportable, 'the Hugging Face export'),
+  ):
+    check(Later(vocab_size=8))
+    with pytest.raises(UserInputError) as raised:
+      check(Later(vocab_size=8, new_field=3))
+    assert str(raised.value) == (
+      f'TransformerConfig.new_field=3: {name} does not know this model variant '
+      '(only its default is exported)'
+    )

@@ -43,7 +43,6 @@ computes in the type of `--quantization` (or its `compute_type=` when loading).
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import json
 import math
@@ -59,7 +58,7 @@ from transformer_jax.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Token
 from transformer_jax.exporters import ctranslate2_runtime, stablehlo_runner
 from transformer_jax.exporters.ctranslate2_runtime import import_ctranslate2
 from transformer_jax.inference.translator import Translator
-from transformer_jax.model.config import SIZE_FIELDS, TRAINING_ONLY_FIELDS, TransformerConfig
+from transformer_jax.model.config import TransformerConfig, refuse_unknown_variant
 from transformer_jax.model.inputs import sinusoidal_positions
 from transformer_jax.workdir.layout import Workdir
 
@@ -85,21 +84,6 @@ README_FILE = 'README.md'
 # Added to PAD's output logit: exp(-1e4) is 0 in every float type, and -1e4 is finite in float16.
 PAD_LOGIT_BIAS = -1e4
 
-# TransformerConfig fields and how the export treats them. Any other field (one added to the
-# model later) is refused unless it is at its default, so a new variant is never exported wrong.
-_CARRIED = {
-  *SIZE_FIELDS,
-  'qk_dim',
-  'v_dim',
-  'share_embeddings',
-  'pre_norm',
-  'learned_positions',
-  'layer_norm_epsilon',
-  'attention_bias',
-  'ffn_activation',
-  'sinusoid_layout',
-  'logits_bias',
-}
 # TransformerConfig.ffn_activation -> the name of its `ctranslate2.specs.common_spec.Activation`.
 _ACTIVATIONS = {
   'relu': 'RELU',
@@ -108,20 +92,11 @@ _ACTIVATIONS = {
   'gelu': 'GELU',
   'gelu_sigmoid': 'GELUSigmoid',
 }
-# Training-only or implementation choices: no effect on what the model computes at inference
-# (dtype: parameters are float32 whatever the compute dtype; CTranslate2's is --quantization).
-_IRRELEVANT = set(TRAINING_ONLY_FIELDS)
 
 
 def check_exportable(config: Any) -> None:
   """Raises a one-line UserInputError for a model CTranslate2 cannot run as we do."""
-  for field in dataclasses.fields(config):
-    value = getattr(config, field.name)
-    if field.name not in _CARRIED | _IRRELEVANT and value != field.default:
-      raise UserInputError(
-        f'TransformerConfig.{field.name}={value!r}: the CTranslate2 export does not know '
-        'this model variant (only its default is exported)'
-      )
+  refuse_unknown_variant(config, 'the CTranslate2 export')
 
 
 def check_quantization(quantization: str) -> None:

@@ -112,7 +112,7 @@ from transformer_jax.exporters import huggingface_weights
 from transformer_jax.importers import hf_files
 from transformer_jax.importers.hf_marian import LAYER_NORM_EPSILON
 from transformer_jax.inference.translator import Translator
-from transformer_jax.model.config import SIZE_FIELDS, TRAINING_ONLY_FIELDS, TransformerConfig
+from transformer_jax.model.config import TransformerConfig, refuse_unknown_variant
 
 # transformers' length_penalty for beam search: GNMT's ((5 + L) / 6)^alpha has the log-slope
 # alpha L / (5 + L), L^p has p; equal at L = REFERENCE_LENGTH with our default alpha 0.6.
@@ -131,19 +131,6 @@ SOURCE_SPM, TARGET_SPM = 'source.spm', 'target.spm'
 README_FILE = 'README.md'
 _MARIAN_SPECIALS = ('</s>', '<unk>')  # MarianMT ids 0 and 1; '<pad>' is the last.
 
-_CARRIED = {
-  *SIZE_FIELDS,
-  'qk_dim',
-  'v_dim',
-  'share_embeddings',
-  'pre_norm',
-  'learned_positions',
-  'layer_norm_epsilon',
-  'attention_bias',
-  'ffn_activation',
-  'sinusoid_layout',
-  'logits_bias',
-}
 # Our activation -> transformers' ACT2FN name (hf_marian.ACTIVATIONS the other way).
 _ACTIVATIONS = {
   'relu': 'relu',
@@ -157,13 +144,7 @@ _ACTIVATIONS = {
 def check_exportable(config: TransformerConfig) -> None:
   """A one-line UserInputError for a model MarianMTModel cannot compute as we do (the
   positions are checked with the parameters: `huggingface_weights.feature_order`)."""
-  for field in dataclasses.fields(config):
-    value = getattr(config, field.name)
-    if field.name not in _CARRIED | set(TRAINING_ONLY_FIELDS) and value != field.default:
-      raise UserInputError(
-        f'TransformerConfig.{field.name}={value!r}: the Hugging Face export does not know '
-        'this model variant (only its default is exported)'
-      )
+  refuse_unknown_variant(config, 'the Hugging Face export')
   if config.pre_norm:
     raise UserInputError(
       'TransformerConfig.pre_norm=True: MarianMTModel has post-norm layers only '

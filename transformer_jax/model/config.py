@@ -57,6 +57,22 @@ TRAINING_ONLY_FIELDS = (
   'attention_impl',
   'dtype',
 )
+# The architecture fields every exporter maps (exporters/ctranslate2_spec.py, huggingface.py):
+# a field added to the model later is refused by them unless at its default
+# (`refuse_unknown_variant`), so a new variant is never exported wrong.
+EXPORTED_FIELDS = (
+  *SIZE_FIELDS,
+  'qk_dim',
+  'v_dim',
+  'share_embeddings',
+  'pre_norm',
+  'learned_positions',
+  'layer_norm_epsilon',
+  'attention_bias',
+  'ffn_activation',
+  'sinusoid_layout',
+  'logits_bias',
+)
 _DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16, 'float16': jnp.float16}
 
 
@@ -244,3 +260,17 @@ def architecture_fields() -> tuple[str, ...]:
   config's own field): all but TRAINING_ONLY_FIELDS."""
   names = (field.name for field in dataclasses.fields(TransformerConfig))
   return tuple(n for n in names if n not in TRAINING_ONLY_FIELDS and n != 'vocab_size')
+
+
+def refuse_unknown_variant(config: TransformerConfig, export: str) -> None:
+  """A one-line UserInputError naming the first field neither in EXPORTED_FIELDS nor training-
+  only whose value is not its default: `export` (e.g. 'the CTranslate2 export') does not know
+  that variant."""
+  for field in dataclasses.fields(config):
+    value = getattr(config, field.name)
+    known = field.name in EXPORTED_FIELDS or field.name in TRAINING_ONLY_FIELDS
+    if not known and value != field.default:
+      raise UserInputError(
+        f'TransformerConfig.{field.name}={value!r}: {export} does not know this model variant '
+        '(only its default is exported)'
+      )
