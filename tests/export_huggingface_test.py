@@ -20,7 +20,7 @@ import tensorflow_datasets as tfds
 
 from transformer_jax.common.errors import UserInputError
 from transformer_jax.exporters import huggingface, huggingface_weights
-from transformer_jax.importers import hf_marian
+from transformer_jax.importers import hf_marian, workdir_writer
 from transformer_jax.inference.translator import Translator
 from transformer_jax.model.config import TransformerConfig
 
@@ -32,7 +32,7 @@ transformers = pytest.importorskip(
 )
 pytest.importorskip('safetensors', reason='safetensors is not installed (pip install safetensors)')
 
-from import_hf_test import VARIANTS, make_folder  # noqa: E402  (needs torch and transformers)
+from import_hf_test import VARIANTS, logits_and_scores_agree, make_folder  # noqa: E402  (torch)
 
 
 @pytest.fixture(scope='module')
@@ -236,6 +236,37 @@ def test_an_imported_checkpoint_exports_to_the_same_parameters(variant, tmp_path
                        (first.target_tokenizer, second.target_tokenizer)):  # fmt: skip
     assert theirs.pieces(range(size)) == ours.pieces(range(size))
     assert theirs.encode_batch(texts) == ours.encode_batch(texts)
+
+
+@pytest.mark.parametrize('variant', list(VARIANTS)[:2])
+def test_a_fine_tuned_import_exports_exactly(variant, tmp_path):
+  """An import whose every parameter moved, as fine-tuning moves them: PAD's output row and
+  bias apart from BOS's (PAD's logit is in our softmax, BOS's masked), the shared table's PAD
+  and BOS rows different. The export holds it exactly, writing the tables apart where one
+  <pad> row cannot be both the decoder's start and the logit: MarianMTModel's logits and
+  forced scores equal ours, and the export imports back to the same translations."""
+  fields, saved, eos_bias, std = VARIANTS[variant]
+  make_folder(str(tmp_path / 'hf'), fields, saved, eos_bias, std)
+  config, params, vocabulary, origin, target_vocabulary = hf_marian.read_model(str(tmp_path / 'hf'))
+  assert not config.learned_positions  # Our fixed sinusoids: fine-tuning leaves them alone.
+  rng = np.random.default_rng(0)
+  moved = jax.tree.map(lambda x: x + 0.02 * rng.standard_normal(x.shape).astype(x.dtype), params)
+  moved['logits_bias'][0] += 0.5  # PAD's logit, never a target, moves; BOS's stays masked.
+  tuned = str(tmp_path / 'tuned')
+  workdir_writer.write(
+    tuned, config, moved, vocabulary, origin, target_vocabulary=target_vocabulary
+  )
+  huggingface.export(tuned, str(tmp_path / 'exported'))
+  written = json.loads((tmp_path / 'exported' / 'config.json').read_text())
+  assert not written['tie_word_embeddings'] and not written['share_encoder_decoder_embeddings']
+  model = transformers.MarianMTModel.from_pretrained(str(tmp_path / 'exported')).eval()
+  tokenizer = transformers.MarianTokenizer.from_pretrained(str(tmp_path / 'exported'))
+  translator = Translator.from_checkpoint(tuned)
+  logits_and_scores_agree(variant, model, tokenizer, translator)
+  hf_marian.import_hf_model(str(tmp_path / 'exported'), str(tmp_path / 'back'))
+  sources = ['the cat sat on the mat', 'two dogs ran quickly', 'a bird']
+  back = Translator.from_checkpoint(str(tmp_path / 'back'))
+  assert back.translate(sources, beam_size=4) == translator.translate(sources, beam_size=4)
 
 
 # --- Refusals ----------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from transformer_jax.importers import hf_marian
 from transformer_jax.inference.translator import Translator
 
 transformers = pytest.importorskip(
-  'transformers', reason='transformers is not installed (pip install -e .[hf-test])'
+  'transformers', reason='transformers is not installed (pip install -e .[test])'
 )
 
 TAGS = ('>>deu<<', '>>fra<<', '>>spa<<')

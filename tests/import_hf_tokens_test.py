@@ -22,12 +22,13 @@ from import_hf_test import WORDS, make_folder
 
 from transformer_jax.common.errors import UserInputError
 from transformer_jax.data.tokenizer import BOS_ID, UNK_ID, Tokenizer
+from transformer_jax.exporters import huggingface
 from transformer_jax.importers import hf_marian, hf_vocabulary
 from transformer_jax.inference.translator import Translator
 
-torch = pytest.importorskip('torch', reason='torch is not installed (pip install -e .[hf-test])')
+torch = pytest.importorskip('torch', reason='torch is not installed (pip install -e .[test])')
 transformers = pytest.importorskip(
-  'transformers', reason='transformers is not installed (pip install -e .[hf-test])'
+  'transformers', reason='transformers is not installed (pip install -e .[test])'
 )
 
 TAGS = ('>>deu<<', '>>fra<<', '>>spa<<')
@@ -171,9 +172,31 @@ def test_extra_special_tokens_are_cut_out_as_marian_tokenizer_cuts_them(
   if 'added_tokens_json' in files:
     with open(os.path.join(folders[name][0], 'vocab.json')) as f:
       files['added_tokens_json'] = {'>>fra<<': json.load(f)['>>fra<<']}
-  theirs, source, _ = assert_ids_equal(_variant(folders, tmp_path, name, **files))
+  folder = _variant(folders, tmp_path, name, **files)
+  theirs, source, _ = assert_ids_equal(folder)
   extra = set(theirs.added_tokens_encoder) & set(TAGS)
   assert extra and all(len(source.encode(f'the{token}cat')) == 3 for token in extra)
+  # Exported back (export --format=huggingface), MarianTokenizer cuts the same tokens out as
+  # the same pieces on both sides (a separate target vocabulary's ids come in our order).
+  hf_marian.import_hf_model(folder, str(tmp_path / 'workdir'))
+  huggingface.export(str(tmp_path / 'workdir'), str(tmp_path / 'exported'))
+  back = transformers.MarianTokenizer.from_pretrained(str(tmp_path / 'exported'))
+  assert set(back.added_tokens_encoder) & set(TAGS) == extra
+
+  def pieces(tokenizer, side):
+    vocab = (
+      tokenizer.target_encoder if side == 'text_target' and tokenizer.separate_vocabs else None
+    )
+    by_id = {i: piece for piece, i in (vocab or tokenizer.encoder).items()}
+    return [[by_id[i] for i in row] for row in tokenizer(**{side: TEXTS}).input_ids]
+
+  assert back(text=TEXTS).input_ids == theirs(text=TEXTS).input_ids
+  assert pieces(back, 'text') == pieces(theirs, 'text')
+  # A literal <pad> in a target text: MarianTokenizer reads vocab.json's <pad> id in a separate
+  # target vocabulary, whatever piece sits there; the export keeps the import's target order.
+  wanted = ['<pad>' not in text or name == 'shared' for text in TEXTS]
+  kept = lambda rows: [row for row, keep in zip(rows, wanted) if keep]  # noqa: E731
+  assert kept(pieces(back, 'text_target')) == kept(pieces(theirs, 'text_target'))
 
 
 REFUSED = {

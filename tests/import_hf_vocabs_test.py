@@ -25,9 +25,9 @@ from import_hf_test import (
 from transformer_jax.importers import hf_marian
 from transformer_jax.inference.translator import Translator
 
-torch = pytest.importorskip('torch', reason='torch is not installed (pip install -e .[hf-test])')
+torch = pytest.importorskip('torch', reason='torch is not installed (pip install -e .[test])')
 transformers = pytest.importorskip(
-  'transformers', reason='transformers is not installed (pip install -e .[hf-test])'
+  'transformers', reason='transformers is not installed (pip install -e .[test])'
 )
 
 TAGS = ('>>deu<<', '>>fra<<')

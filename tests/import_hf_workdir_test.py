@@ -29,6 +29,7 @@ from helpers import hf_tiny
 from transformer_jax.exporters import (
   ctranslate2_runtime,
   ctranslate2_spec,
+  huggingface,
   stablehlo,
   stablehlo_runner,
 )
@@ -42,9 +43,9 @@ from transformer_jax.training import loop
 
 from conftest import tiny_config
 
-torch = pytest.importorskip('torch', reason='torch is not installed (pip install -e .[hf-test])')
+torch = pytest.importorskip('torch', reason='torch is not installed (pip install -e .[test])')
 transformers = pytest.importorskip(
-  'transformers', reason='transformers is not installed (pip install -e .[hf-test])'
+  'transformers', reason='transformers is not installed (pip install -e .[test])'
 )
 ctranslate2 = pytest.importorskip('ctranslate2')
 
@@ -169,6 +170,17 @@ def test_train_py_fine_tunes_from_the_imported_weights(imported, tmp_path, caplo
   print(f'transformers {theirs:.4f}; training loss {losses}; validation loss then {tuned:.4f}')
   assert len(losses) == STEPS and abs(losses[0] - theirs) < 2e-4, (losses, theirs)
   assert tuned < theirs - 0.1 and losses[-1] < losses[0] - 0.1
+  # The fine-tuned model exports back (the import's positions are our fixed sinusoids, which
+  # training leaves alone as MarianMTModel leaves its own), and MarianMTModel computes the
+  # validation loss we computed.
+  out = str(tmp_path / 'exported')
+  huggingface.export(workdir, out, checkpoint=STEPS)
+  model = transformers.MarianMTModel.from_pretrained(out).eval()
+  exported = _transformers_loss(
+    model, transformers.MarianTokenizer.from_pretrained(out), sources, targets
+  )
+  print(f'the export, in transformers: {exported:.4f}')
+  assert abs(exported - tuned) < 2e-4, (exported, tuned)
 
 
 # --- translate's options and score -------------------------------------------------------------

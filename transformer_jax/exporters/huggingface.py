@@ -16,10 +16,12 @@ two codebases, and how each difference is bridged (huggingface_weights.py maps t
                 theirs exactly: layer norms and the residual sums commute with a permutation, and
                 nothing else reads the hidden units' order. 'concatenated' (Marian's and
                 tensor2tensor's timescales 10000^(i/(d/2-1))) is no permutation of theirs:
-                refused, as an odd d_model (their last feature is a sine, ours zero). Learned
-                tables (an import from transformers has them) are exported where they are
-                MarianMTModel's sinusoids within 1e-6, in its order or ours; fine-tuned ones
-                are refused, since MarianMTModel has no learned positions.
+                refused, as an odd d_model (their last feature is a sine, ours zero). An import
+                from transformers is permuted the other way (importers.hf_marian), so export
+                gives back its order. Learned tables (an import of an odd width, or of a
+                workdir imported before that) are exported where they are MarianMTModel's
+                sinusoids within 1e-6, in its order or ours; fine-tuned ones are refused, since
+                MarianMTModel has no learned positions.
   layer norm    MarianMTModel's nn.LayerNorm takes torch's epsilon 1e-5 and no config field
                 sets it; ours is 1e-6 by default. The export accepts the difference (below).
   embeddings    x sqrt(d_model) as ours (`scale_embedding`); one table for both sides and the
@@ -36,15 +38,18 @@ two codebases, and how each difference is bridged (huggingface_weights.py maps t
   special ids   ours PAD 0, EOS 1, BOS 2, UNK 3, then the pieces; MarianMT's </s> 0, <unk> 1,
                 the pieces, <pad> last, which is also the decoder's start. Every table's rows
                 are taken at MarianMT's ids: our EOS, UNK, pieces 4.., and our BOS at <pad>
-                (so the start embedding is BOS's, and <pad>'s logit is BOS's: transformers'
-                beam search takes the log-softmax before bad_words_ids, so it sums over what
-                ours sums over, every id but PAD). Our PAD row is not exported: our searches
-                never predict PAD, and padding is masked in both. BOS is no prediction in
-                MarianMT (bad_words_ids [[<pad>]], as Helsinki-NLP ships); ours never predicts
-                it either once trained (BOS is no target). <pad>'s final_logits_bias is our
-                BOS's, less MASKED_LOGIT_BIAS where BOS is an HF import's masked <pad> (the
-                importer's PAD bias + MASKED_LOGIT_BIAS): import -> export gives the checkpoint's
-                own bias back.
+                (so the start embedding is BOS's). <pad>'s logit is BOS's for a model trained
+                here (transformers' beam search takes the log-softmax before bad_words_ids, so
+                it sums over what ours sums over, every id but PAD), and PAD's for an HF
+                import, whose BOS the importer masked 30 under PAD's bias (15 under or more:
+                huggingface_weights.pad_is_predicted): our softmax sums PAD's
+                logit, not BOS's, and fine-tuning moves PAD's row and bias. Where one shared
+                table's PAD and BOS rows then differ, one <pad> row cannot be both: the tables
+                are written apart (share_encoder_decoder_embeddings and tie_word_embeddings
+                false), exact. Our other PAD row is not exported: our searches never predict
+                PAD, and padding is masked in both. BOS is no prediction in MarianMT
+                (bad_words_ids [[<pad>]], as Helsinki-NLP ships); ours never predicts it
+                either once trained (BOS is no target).
   vocabulary    vocab.json: our pieces at those ids; source.spm / target.spm: our SentencePiece
                 models (without our MarianTokenizer-rules field). Ids a side's vocabulary
                 lacks (an import's, read as <unk> on that side) are left out of its vocab.json,
@@ -222,7 +227,32 @@ def vocabularies(translator: Translator) -> Vocabularies:
       )
   source_ids, source_pieces, source_spm = _side(translator.tokenizer, size)
   target_ids, target_pieces, target_spm = _side(translator.target_tokenizer, size)
+  if not np.array_equal(source_ids, target_ids):
+    _place_target_specials(translator, source_ids, target_ids, target_pieces)
   return Vocabularies(source_ids, target_ids, source_pieces, target_pieces, source_spm, target_spm)
+
+
+def _place_target_specials(translator, source_ids, target_ids, target_pieces) -> None:
+  """Separate vocabularies: MarianTokenizer reads an added token of a target text (a tag) at
+  its vocab.json id, in target_vocab.json (hf_vocabulary._side_specials); so the target piece
+  each such token is ours is moved, in place, to that id of the target side, swapping it with
+  the piece there, so that MarianTokenizer reads it as our target tokenizer does. Not done for
+  <pad>, which it reads the same way (vocab.json's last id, some target piece): a literal <pad>
+  in a target text means nothing, and the target side's order stays the import's, so import ->
+  export -> import gives the same parameters."""
+  target_record = translator.target_tokenizer.marian_record()
+  if target_record is None:
+    return
+  for hf_id, token in (
+    (int(j), e['content']) for j, e in added_tokens(translator.tokenizer, source_ids).items()
+  ):
+    ours = target_record['specials'].get(token)
+    at = np.flatnonzero(target_ids[:-1] == ours)
+    if ours is None or not 1 < hf_id < len(target_ids) - 1 or len(at) != 1 or at[0] <= 1:
+      continue  # An id the target side lacks, or EOS/UNK: nothing to place.
+    j = int(at[0])
+    target_ids[[hf_id, j]] = target_ids[[j, hf_id]]
+    target_pieces[hf_id], target_pieces[j] = target_pieces[j], target_pieces[hf_id]
 
 
 # --- The folder's JSON files -------------------------------------------------------------------
@@ -286,8 +316,35 @@ def generation_config(config: TransformerConfig, vocabs: Vocabularies) -> dict[s
   }
 
 
-def tokenizer_config(config: TransformerConfig, vocabs: Vocabularies) -> dict[str, Any]:
-  return {
+def added_tokens(tokenizer: Tokenizer, source_ids: np.ndarray) -> dict[str, dict[str, Any]]:
+  """tokenizer_config.json's added_tokens_decoder: the special tokens an import's tokenizer cuts
+  out of texts beyond MarianTokenizer's three (hf_vocabulary.special_tokens: from its
+  tokenizer files), each at the MarianMT id of the our-id it reads as, so MarianTokenizer cuts
+  it out as the same token. One that reads as no source piece (<unk>) is left to SentencePiece.
+  A workdir trained here has none."""
+  record = tokenizer.marian_record()
+  if record is None:
+    return {}
+  hf_id = {int(ours): j for j, ours in enumerate(source_ids[:-1])}
+  out = {}
+  for token, ours in sorted(record['specials'].items(), key=lambda item: item[1]):
+    if token in _MARIAN_SPECIALS or token == '<pad>' or hf_id.get(ours, UNK_ID) == UNK_ID:
+      continue
+    out[str(hf_id[ours])] = {
+      'content': token,
+      'lstrip': False,
+      'normalized': False,
+      'rstrip': False,
+      'single_word': False,
+      'special': True,
+    }
+  return out
+
+
+def tokenizer_config(
+  config: TransformerConfig, vocabs: Vocabularies, tokenizer: Tokenizer
+) -> dict[str, Any]:
+  settings = {
     'tokenizer_class': 'MarianTokenizer',
     'model_max_length': config.max_len,
     'separate_vocabs': vocabs.separate,
@@ -296,6 +353,10 @@ def tokenizer_config(config: TransformerConfig, vocabs: Vocabularies) -> dict[st
     'pad_token': '<pad>',
     'clean_up_tokenization_spaces': False,
   }
+  added = added_tokens(tokenizer, vocabs.source_ids)
+  if added:
+    settings['added_tokens_decoder'] = added
+  return settings
 
 
 _README = """\
@@ -368,14 +429,14 @@ def folder_contents(translator: Translator) -> dict[str, Any]:
   check_exportable(config)
   order = huggingface_weights.feature_order(config, translator.params)
   vocabs = vocabularies(translator)
-  one_table = config.share_embeddings and not vocabs.separate
+  one_table = huggingface_weights.one_table(config, translator.params, vocabs.separate)
   files: dict[str, Any] = {
     WEIGHTS_FILE: huggingface_weights.tensors(
       config, translator.params, vocabs.source_ids, vocabs.target_ids, order, one_table
     ),
     hf_files.HF_CONFIG: hf_config(config, vocabs, one_table),
     GENERATION_CONFIG: generation_config(config, vocabs),
-    TOKENIZER_CONFIG: tokenizer_config(config, vocabs),
+    TOKENIZER_CONFIG: tokenizer_config(config, vocabs, translator.tokenizer),
     VOCAB_FILE: {piece: i for i, piece in enumerate(vocabs.source_pieces)},
     SOURCE_SPM: vocabs.source_spm,
     TARGET_SPM: vocabs.target_spm,

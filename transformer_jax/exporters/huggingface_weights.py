@@ -15,20 +15,13 @@ import numpy as np
 
 from transformer_jax.common.errors import UserInputError
 from transformer_jax.data.tokenizer import BOS_ID, PAD_ID
-from transformer_jax.importers.hf_marian import sinusoids
+from transformer_jax.importers.hf_marian import interleaved_order, sinusoids
 from transformer_jax.importers.marian import MASKED_LOGIT_BIAS
 from transformer_jax.model.config import TransformerConfig
 
 # How far a learned position table may be from MarianMTModel's sinusoids (the importer's own
 # check of a checkpoint's stored tables, hf_marian.map_params): an import's tables are them.
 POSITION_TOLERANCE = 1e-6
-
-
-def interleaved_order(d_model: int) -> np.ndarray:
-  """MarianMTModel's feature j -> ours for our 'interleaved' sinusoids (PE[2i] = sin, PE[2i+1]
-  = cos): its [sin | cos] halves at the same timescales 10000^(2i/d) are [0, 2, 4, ... | 1, 3,
-  5, ...] of ours."""
-  return np.concatenate([np.arange(0, d_model, 2), np.arange(1, d_model, 2)])
 
 
 def feature_order(config: TransformerConfig, params) -> np.ndarray:
@@ -48,8 +41,9 @@ def feature_order(config: TransformerConfig, params) -> np.ndarray:
         'has (MarianMTModel has no other positions)'
       )
     return interleaved_order(d)
-  # Learned tables (an import from transformers has them): exportable only where they are the
-  # sinusoids MarianMTModel computes, in its order or in our interleaved one.
+  # Learned tables (an import of an odd width, or one written before imports were permuted to
+  # our sinusoids): exportable only where they are the sinusoids MarianMTModel computes, in its
+  # order or in our interleaved one.
   theirs = sinusoids(config.max_len, d)
   tables = [
     np.asarray(params[f'{side}_embedder']['position_embedding'], np.float32)
@@ -115,18 +109,46 @@ def _ffn(ffn: dict, order: np.ndarray, prefix: str, out: dict) -> None:
   out[f'{prefix}fc2.bias'] = ffn['wo']['bias'][order]
 
 
-def output_bias(config: TransformerConfig, params, target_ids: np.ndarray) -> np.ndarray:
-  """final_logits_bias [1, V_target]: our logits_bias (or zeros) at the target's ids. MarianMT's
-  <pad> (the last) gets our BOS's, as its logit row is BOS's, less MASKED_LOGIT_BIAS where our
-  BOS is an HF import's <pad> masked (hf_marian: PAD's bias + MASKED_LOGIT_BIAS), so that
-  import -> export gives back the checkpoint's own bias."""
+def pad_is_predicted(config: TransformerConfig, params) -> bool:
+  """Whether MarianMT's <pad> logit must be our PAD's rather than our BOS's. An HF import's BOS
+  is masked (hf_marian: PAD's bias + MASKED_LOGIT_BIAS), so our softmax sums PAD's logit, the
+  checkpoint's <pad>, and not BOS's; fine-tuning moves PAD's row and bias, not BOS's (e^-30 of
+  the softmax), so the margin, not the equality, says so. A model trained here masks neither:
+  <pad>'s logit is BOS's (module docstring of exporters.huggingface)."""
   if not config.logits_bias:
-    return np.zeros((1, len(target_ids)), np.float32)
+    return False
   bias = _array(params['logits_bias'])
-  out = bias[target_ids].copy()
-  if bias[BOS_ID] == np.float32(bias[PAD_ID] + np.float32(MASKED_LOGIT_BIAS)):
-    out[-1] = bias[PAD_ID]
-  return out[None]
+  return bool(bias[BOS_ID] - bias[PAD_ID] <= MASKED_LOGIT_BIAS / 2)
+
+
+def one_table(config: TransformerConfig, params, separate_vocabularies: bool) -> bool:
+  """Whether one MarianMT table (share_encoder_decoder_embeddings and tie_word_embeddings) holds
+  our model exactly: ours share one over one vocabulary, and <pad>'s one row can be both the
+  decoder's start (our BOS) and the logit (our PAD, `pad_is_predicted`). A fine-tuned import's
+  PAD and BOS rows differ: its tables are written apart."""
+  if not config.share_embeddings or separate_vocabularies:
+    return False
+  if not pad_is_predicted(config, params):
+    return True
+  table = _array(params['shared_embedding']['embedding'])
+  return bool(np.array_equal(table[PAD_ID], table[BOS_ID]))
+
+
+def output_ids(config: TransformerConfig, params, target_ids: np.ndarray) -> np.ndarray:
+  """Our id of each MarianMT output class: the target's ids, whose last (<pad>) is our BOS, or
+  our PAD where PAD's logit is the prediction (`pad_is_predicted`)."""
+  ids = np.array(target_ids)
+  if pad_is_predicted(config, params):
+    ids[-1] = PAD_ID
+  return ids
+
+
+def output_bias(config: TransformerConfig, params, output: np.ndarray) -> np.ndarray:
+  """final_logits_bias [1, V_target]: our logits_bias (or zeros) at `output_ids`; import ->
+  export gives the checkpoint's own bias back (its <pad>'s is our PAD's)."""
+  if not config.logits_bias:
+    return np.zeros((1, len(output)), np.float32)
+  return _array(params['logits_bias'])[output][None]
 
 
 def tensors(
@@ -138,8 +160,9 @@ def tensors(
   one_table: bool,
 ) -> dict[str, np.ndarray]:
   """MarianMTModel's state dict (float32, positions left out: it computes them) of our
-  parameters; one_table: `model.shared.weight` alone (share_encoder_decoder_embeddings and
-  tie_word_embeddings), else the encoder's, decoder's and output tables apart (neither)."""
+  parameters; one_table (the function's): `model.shared.weight` alone
+  (share_encoder_decoder_embeddings and tie_word_embeddings), else the encoder's, decoder's
+  and output tables apart (neither)."""
   order = hidden_order
   out: dict[str, np.ndarray] = {}
   layers = params['encoder_layers']
@@ -168,11 +191,12 @@ def tensors(
     source = params['source_embedding']['embedding']
     target = params['target_embedding']['embedding']
     output = _array(params['output_projection']['kernel']).T  # [d, V] -> [V, d]
-  if one_table:
+  outputs = output_ids(config, params, target_ids)
+  if one_table:  # `one_table`: here <pad>'s rows at outputs and at target_ids are equal.
     out['model.shared.weight'] = rows(source, source_ids)
   else:
     out['model.encoder.embed_tokens.weight'] = rows(source, source_ids)
     out['model.decoder.embed_tokens.weight'] = rows(target, target_ids)
-    out['lm_head.weight'] = rows(output, target_ids)
-  out['final_logits_bias'] = output_bias(config, params, target_ids)
+    out['lm_head.weight'] = rows(output, outputs)
+  out['final_logits_bias'] = output_bias(config, params, outputs)
   return {name: np.ascontiguousarray(value, np.float32) for name, value in out.items()}

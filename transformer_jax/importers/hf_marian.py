@@ -7,9 +7,15 @@ target.spm, and returns what `workdir_writer.write` takes:
   layers     post-norm (MarianMTModel has no other), layer norm epsilon 1e-5 (torch's
              default), attention biases; torch Linear weights [out, in] become our kernels
              [in, out], the q/k/v/out projections split into heads.
-  positions  MarianMTModel's sinusoids ([sin | cos] halves at timescales 10000^(2i/d), which
-             neither of our sinusoid layouts is) as learned position tables, computed as it
-             computes them: exact, and fine-tuning may then move them (MarianMTModel's are frozen).
+  positions  MarianMTModel's fixed sinusoids are [sin | cos] halves at the paper's timescales
+             10000^(2i/d); ours interleave them (PE[2i] = sin, PE[2i+1] = cos). Permuting the
+             hidden units (`interleaved_order`: every table, kernel, bias and norm along d_model)
+             makes theirs ours, so an import is our default sinusoidal model and stays
+             exportable after fine-tuning, whose positions stay fixed as MarianMTModel's do. We
+             compute the angles in float32, MarianMTModel in float64: the encodings differ by up
+             to 6e-6 below position 100 and 3e-5 at 512. An odd d_model has no such permutation
+             (its d // 2 + 1 sines against our d // 2 and a zero feature): it keeps their
+             sinusoids as learned position tables, exact, which fine-tuning may move.
   ids        HF: </s>=0, <unk>=1, ..., <pad>=pad_token_id, the decoder's start. Ours: PAD=0,
              EOS=1, BOS=2, UNK=3, then vocab.json's ids from 2 on, then target_vocab.json's
              pieces vocab.json lacks (hf_vocabulary: both sides in one id space). The <pad> row
@@ -155,6 +161,13 @@ def check_config(config: Any, path: str) -> dict[str, Any]:
   }
 
 
+def interleaved_order(d_model: int) -> np.ndarray:
+  """MarianMTModel's feature j -> ours for our 'interleaved' sinusoids (PE[2i] = sin, PE[2i+1]
+  = cos): its [sin | cos] halves at the same timescales 10000^(2i/d) are [0, 2, 4, ... | 1, 3,
+  5, ...] of ours (d_model even)."""
+  return np.concatenate([np.arange(0, d_model, 2), np.arange(1, d_model, 2)])
+
+
 def sinusoids(n_pos: int, dim: int) -> np.ndarray:
   """MarianSinusoidalPositionalEmbedding.create_weight: float64, then float32 halves."""
   j = np.arange(dim)
@@ -254,6 +267,13 @@ def map_params(
     out[[PAD_ID, BOS_ID]] = hf_table[-1]
     return out
 
+  # ours[..., i] = theirs[..., hidden[i]] along every d_model axis (module docstring).
+  learned = d % 2 == 1
+  hidden = np.arange(d) if learned else np.argsort(interleaved_order(d))
+
+  def features(array: np.ndarray, axis: int = -1) -> np.ndarray:
+    return np.take(array, hidden, axis=axis)
+
   params: dict[str, Any] = {}
   for side in ('encoder', 'decoder'):
     blocks = [('self_attn', 'self_attention', 'attention_block' if side == 'encoder' else None)]
@@ -266,30 +286,33 @@ def map_params(
       layer: dict[str, Any] = {}
       for theirs, ours, norm in blocks:
         attention = {
-          n: {'kernel': get(f'{theirs}.{p}.weight').T.reshape(d, h, d // h),
+          n: {'kernel': features(get(f'{theirs}.{p}.weight').T, 0).reshape(d, h, d // h),
               'bias': get(f'{theirs}.{p}.bias').reshape(h, d // h)}
           for p, n in _ATTENTION
         }  # fmt: skip
         attention['out'] = {
-          'kernel': get(f'{theirs}.out_proj.weight').T.reshape(h, d // h, d),
-          'bias': get(f'{theirs}.out_proj.bias'),
+          'kernel': features(get(f'{theirs}.out_proj.weight').T).reshape(h, d // h, d),
+          'bias': features(get(f'{theirs}.out_proj.bias')),
         }
         layer[ours] = attention
         ln = f'{theirs}_layer_norm'
-        layer[norm] = {'norm': {'scale': get(f'{ln}.weight'), 'bias': get(f'{ln}.bias')}}
+        layer[norm] = {
+          'norm': {'scale': features(get(f'{ln}.weight')), 'bias': features(get(f'{ln}.bias'))}
+        }
       layer['ffn'] = {
-        'wi': {'kernel': get('fc1.weight').T, 'bias': get('fc1.bias')},
-        'wo': {'kernel': get('fc2.weight').T, 'bias': get('fc2.bias')},
+        'wi': {'kernel': features(get('fc1.weight').T, 0), 'bias': get('fc1.bias')},
+        'wo': {'kernel': features(get('fc2.weight').T), 'bias': features(get('fc2.bias'))},
       }
-      layer['ffn_block'] = {
-        'norm': {'scale': get('final_layer_norm.weight'), 'bias': get('final_layer_norm.bias')}
-      }
+      norm = {n: features(get(f'final_layer_norm.{p}')) for n, p in (('scale', 'weight'),
+                                                                      ('bias', 'bias'))}  # fmt: skip
+      layer['ffn_block'] = {'norm': norm}
       layers.append(layer)
     params[f'{side}_layers'] = _stack(layers)
-  for embedder in ('source_embedder', 'target_embedder'):
-    params[embedder] = {'position_embedding': table[:max_len].copy()}
+  if learned:
+    for embedder in ('source_embedder', 'target_embedder'):
+      params[embedder] = {'position_embedding': table[:max_len].copy()}
 
-  source, target, output = _tables(arrays, layout, path)
+  source, target, output = (features(t) for t in _tables(arrays, layout, path))
   scale = 1.0 if layout['scale'] else 1 / math.sqrt(d)  # Ours multiplies by sqrt(d) always.
   sources, targets = vocab.source_ids, vocab.target_ids
   if layout['shared_table'] and scale == 1.0:
@@ -340,7 +363,7 @@ def read_model(model: str, max_len: int = 512):
     max_len=max_len,
     share_embeddings=layout['shared_table'] and layout['scale'],
     pre_norm=False,
-    learned_positions=True,
+    learned_positions=layout['d_model'] % 2 == 1,  # map_params: odd widths keep tables.
     layer_norm_epsilon=LAYER_NORM_EPSILON,
     attention_bias=True,
     logits_bias=True,
