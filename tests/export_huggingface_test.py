@@ -30,7 +30,7 @@ torch = pytest.importorskip('torch', reason='torch is not installed (pip install
 transformers = pytest.importorskip(
   'transformers', reason='transformers is not installed (pip install -e .[test])'
 )
-pytest.importorskip('safetensors', reason='safetensors is not installed (pip install safetensors)')
+pytest.importorskip('safetensors', reason='safetensors is not installed (pip install -e .[test])')
 
 from import_hf_test import VARIANTS, logits_and_scores_agree, make_folder  # noqa: E402  (torch)
 

@@ -412,7 +412,7 @@ def _safetensors_writer():
     from safetensors.numpy import save_file
   except ImportError:
     raise UserInputError(
-      '--format=huggingface needs the safetensors package: pip install safetensors'
+      "--format=huggingface needs the safetensors package: pip install -e '.[export]'"
     ) from None
   return save_file
 

@@ -281,7 +281,8 @@ def resolve_repo(repo_id: str) -> str:
     from huggingface_hub import constants
   except ImportError:
     raise UserInputError(
-      f'--model={repo_id}: no such folder; a Hub repo id needs huggingface_hub installed'
+      f'--model={repo_id}: no such folder; a Hub repo id needs huggingface_hub '
+      "(pip install -e '.[hub]')"
     ) from None
   try:
     return huggingface_hub.snapshot_download(repo_id, allow_patterns=HUB_FILES)

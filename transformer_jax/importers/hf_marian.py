@@ -303,9 +303,8 @@ def map_params(
         'wi': {'kernel': features(get('fc1.weight').T, 0), 'bias': get('fc1.bias')},
         'wo': {'kernel': features(get('fc2.weight').T), 'bias': features(get('fc2.bias'))},
       }
-      norm = {n: features(get(f'final_layer_norm.{p}')) for n, p in (('scale', 'weight'),
-                                                                      ('bias', 'bias'))}  # fmt: skip
-      layer['ffn_block'] = {'norm': norm}
+      norm = {'scale': get('final_layer_norm.weight'), 'bias': get('final_layer_norm.bias')}
+      layer['ffn_block'] = {'norm': {name: features(value) for name, value in norm.items()}}
       layers.append(layer)
     params[f'{side}_layers'] = _stack(layers)
   if learned:
