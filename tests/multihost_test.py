@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import jax
@@ -79,24 +80,38 @@ def _launch(workdir, config_path, devices, process_id=None, port=None):
   )
 
 
-def _run_pair(workdir, config_path, preempt_after_step=None):
-  """Runs the two processes; optionally SIGTERMs process 1 once process 0 logs that step."""
+def _run_pair(workdir, config_path, preempt_after_step=None, limit_s=360):
+  """Runs the two processes; optionally SIGTERMs process 1 once process 0 logs that step. Both
+  outputs are read as they come (threads): an unread pipe would fill and stop its writer in the
+  middle of a collective, and a silent hang would block a plain read forever. Past `limit_s`
+  both are killed and the test fails with their last lines."""
   port = _free_port()
   processes = [_launch(workdir, config_path, 2, i, port) for i in (0, 1)]
-  output = []
-  deadline = time.time() + 240
-  for line in processes[0].stdout:
-    output.append(line)
-    if preempt_after_step and f'step {preempt_after_step}/' in line:
+  outputs: list[list[str]] = [[], []]
+  readers = [
+    threading.Thread(target=lambda p=p, out=out: out.extend(p.stdout), daemon=True)
+    for p, out in zip(processes, outputs)
+  ]
+  for reader in readers:
+    reader.start()
+  deadline = time.monotonic() + limit_s
+  while any(p.poll() is None for p in processes) and time.monotonic() < deadline:
+    if preempt_after_step and any(f'step {preempt_after_step}/' in x for x in outputs[0][:]):
       processes[1].send_signal(signal.SIGTERM)
       preempt_after_step = None
-    assert time.time() < deadline, ''.join(output[-30:])
-  codes = [process.wait(timeout=120) for process in processes]
-  other = processes[1].stdout.read()
-  for process in processes:
-    process.stdout.close()
-  assert codes == [0, 0], ''.join(output[-30:]) + other[-3000:]
-  return ''.join(output), other
+    time.sleep(0.2)
+  hung = [i for i, p in enumerate(processes) if p.poll() is None]
+  for i in hung:
+    processes[i].kill()
+  codes = [p.wait() for p in processes]
+  for reader in readers:
+    reader.join(timeout=10)
+  log_0, log_1 = (''.join(out) for out in outputs)
+  assert not hung, (
+    f'processes {hung} still running after {limit_s} s:\n{log_0[-3000:]}{log_1[-3000:]}'
+  )
+  assert codes == [0, 0], log_0[-3000:] + log_1[-3000:]
+  return log_0, log_1
 
 
 def _final_eval_line(log: str) -> str:
