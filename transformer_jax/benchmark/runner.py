@@ -390,6 +390,7 @@ def run(
             alpha=options.alpha,
             rounds=options.compare_rounds,
             seed=options.seed,
+            dtype=dtype,
             progress=progress,
           )
         )

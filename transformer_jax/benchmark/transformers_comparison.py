@@ -147,10 +147,13 @@ def compare_transformers(
   rounds: int = 3,
   vocab_size: int = OPUS_MT_VOCAB_SIZE,
   seed: int = 0,
+  dtype: str = 'float32',
   progress: Callable[[str], None] = lambda message: None,
 ) -> dict:
   """One row: model_config's sizes (d_model, layers, heads, d_ff; the vocabulary is
-  `vocab_size`), ours and transformers end to end over one batch of `batch_size` sentences."""
+  `vocab_size`), ours and transformers end to end over one batch of `batch_size` sentences,
+  both computing in `dtype` (ours: Translator's inference dtype, `cast_params`; theirs: the
+  model cast by `model.to`, as `from_pretrained(..., dtype=)` loads it)."""
   torch, transformers = require_transformers()
   from transformer_jax.importers import hf_marian
   from transformer_jax.inference.translator import Translator
@@ -165,7 +168,10 @@ def compare_transformers(
     restored = Translator.from_checkpoint(workdir, batch_size=batch_size)
     # Our cap: min(source + 50, max_len) tokens, EOS counted, so max_len = decode_length + 1.
     cfg, params = _capped_model(restored.model_config, restored.params, decode_length + 1)
-    ours = Translator(cfg, params, restored.tokenizer, batch_size, restored.target_tokenizer)
+    ours = Translator(
+      cfg, params, restored.tokenizer, batch_size, restored.target_tokenizer, dtype=dtype
+    )
+    model = model.to(getattr(torch, dtype))
     tokenizer = transformers.MarianTokenizer.from_pretrained(folder)
   sources = _sources(np.random.default_rng(seed + 1), words, tokenizer, batch_size, decode_length)
   source_tokens = [len(tokenizer(s)['input_ids']) for s in sources]
@@ -223,6 +229,7 @@ def compare_transformers(
     'transformers_tokens_each': their_tokens,
     'mean_source_tokens': float(np.mean(source_tokens)),
     'threads': threads,
+    'dtype': dtype,
     'rounds': rounds,
     'versions': {'transformers': transformers.__version__, 'torch': torch.__version__},
     'load_before': os.getloadavg(),

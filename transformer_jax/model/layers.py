@@ -99,7 +99,7 @@ def _attend(query, key, value, mask, dtype):
   query = query / jnp.sqrt(depth).astype(query.dtype)
   logits = jnp.einsum('bhqd,bhkd->bhqk', query, key, preferred_element_type=jnp.float32)
   weights = jax.nn.softmax(jnp.where(mask, logits, _MASK_VALUE), axis=-1)
-  return jnp.einsum('bhqk,bhkd->bhqd', weights.astype(dtype), value.astype(dtype))
+  return matmul.einsum('bhqk,bhkd->bhqd', weights.astype(dtype), value.astype(dtype))
 
 
 def attention_projection(cfg: TransformerConfig, features: int, **module_args) -> Projection:
@@ -168,7 +168,7 @@ class MultiHeadAttention(nn.Module):
       self.sow('intermediates', 'attention_weights', weights)
       if cfg.attention_dropout_rate > 0.0 and not deterministic:
         weights = nn.Dropout(cfg.attention_dropout_rate)(weights, deterministic=False)
-      heads = jnp.einsum('bhqk,bkhd->bqhd', weights.astype(dtype), value.astype(dtype))
+      heads = matmul.einsum('bhqk,bkhd->bqhd', weights.astype(dtype), value.astype(dtype))
     return output(heads)  # [b, q, m]
 
 

@@ -212,7 +212,9 @@ class Transformer(nn.Module):
     """Decoder output [..., m] (`decode_features`) -> float32 logits [..., v]."""
     x = self.output_features(x)
     if self.config.share_embeddings:
-      logits = self.output_embedding.attend(x)
+      # nn.Embed.attend's product (both in the embedder's dtype), by matmul.attend.
+      embedder = self.output_embedding
+      logits = matmul.attend(x.astype(embedder.dtype), embedder.embedding.astype(embedder.dtype))
     else:
       logits = self.output_projection(x)
     logits = logits.astype(jnp.float32)
@@ -234,7 +236,7 @@ class Transformer(nn.Module):
     if cfg.share_embeddings:
       # Rows of the [v, m] table, as `nn.Embed.attend` reads the whole table.
       table = jax.lax.dynamic_slice_in_dim(params['shared_embedding']['embedding'], start, size)
-      logits = jnp.dot(features, table.astype(cfg.compute_dtype).T)
+      logits = matmul.attend(features, table.astype(cfg.compute_dtype))
     else:
       # Columns of the [m, v] kernel, as the `Projection` reads the whole kernel.
       kernel = params['output_projection']['kernel']
