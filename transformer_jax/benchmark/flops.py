@@ -88,13 +88,13 @@ def training_flops(
 
 class PeakTimer:
   """Times an n x n @ n x n product in `dtype` on one device; compiled once, timed on demand.
-  The product is the model's (`model.matmul.dot_general`: 16-bit floats accumulate in float32
+  The product is the model's (`model.matmul.matrix_product`: 16-bit floats accumulate in float32
   on XLA:CPU), so the peak is of the kernels the model's products use."""
 
   def __init__(self, n: int, dtype: str, device: jax.Device | None = None):
     self.n, self.dtype = n, dtype
     device = device or jax.devices()[0]
-    self._dot = jax.jit(lambda a, b: matmul.dot_general(a, b, (((1,), (0,)), ((), ()))))
+    self._dot = jax.jit(matmul.matrix_product)
     keys = jax.random.split(jax.random.PRNGKey(0))
     self._a, self._b = (
       jax.device_put(jax.random.normal(k, (n, n), jnp.float32).astype(dtype), device) for k in keys

@@ -16,6 +16,7 @@ compute it; float32 operands are unchanged.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -32,26 +33,27 @@ def float32_accumulation() -> bool:
   return jax.default_backend() == 'cpu'
 
 
-def dot_general(x, y, dimension_numbers):
-  """`jax.lax.dot_general` in the operands' dtype, accumulated in float32 for 16-bit floats
-  where `float32_accumulation()`."""
+def _accumulated(product, x, y):
+  """product(**options) of operands x and y in their dtype: accumulated in float32, then
+  rounded once, for 16-bit floats where `float32_accumulation()`."""
   dtype = jnp.result_type(x, y)
   if dtype in _SIXTEEN_BIT_FLOATS and float32_accumulation():
-    product = jax.lax.dot_general(x, y, dimension_numbers, preferred_element_type=jnp.float32)
-    return product.astype(dtype)
-  return jax.lax.dot_general(x, y, dimension_numbers)
+    return product(preferred_element_type=jnp.float32).astype(dtype)
+  return product()
+
+
+def dot_general(x, y, dimension_numbers):
+  """`jax.lax.dot_general` in the operands' dtype (`_accumulated`)."""
+  return _accumulated(functools.partial(jax.lax.dot_general, x, y, dimension_numbers), x, y)
 
 
 def einsum(spec: str, x, y):
-  """`jnp.einsum` of two operands in their dtype, accumulated in float32 for 16-bit floats
-  where `float32_accumulation()` (attention's weighted sums of values)."""
-  dtype = jnp.result_type(x, y)
-  if dtype in _SIXTEEN_BIT_FLOATS and float32_accumulation():
-    return jnp.einsum(spec, x, y, preferred_element_type=jnp.float32).astype(dtype)
-  return jnp.einsum(spec, x, y)
+  """`jnp.einsum` of two operands in their dtype (`_accumulated`): attention's weighted sums
+  of values."""
+  return _accumulated(functools.partial(jnp.einsum, spec, x, y), x, y)
 
 
-def _matrix_product(x, y):
+def matrix_product(x, y):
   """[n, i] @ [i, o] -> [n, o] (`dot_general`)."""
   return dot_general(x, y, (((1,), (0,)), ((), ())))
 
@@ -74,11 +76,11 @@ def _matmul_row_major_grads(x, kernel):
   bench/README.md, "Optimisations tried"). The forward and the input gradient are already in
   the fast form.
   """
-  return _matrix_product(x, kernel)
+  return matrix_product(x, kernel)
 
 
 def _matmul_row_major_grads_fwd(x, kernel):
-  return _matrix_product(x, kernel), (x, kernel)
+  return matrix_product(x, kernel), (x, kernel)
 
 
 def _matmul_row_major_grads_bwd(residuals, dy):
@@ -86,11 +88,11 @@ def _matmul_row_major_grads_bwd(residuals, dy):
   barrier = jax.lax.optimization_barrier
   dx = dot_general(dy, kernel, (((1,), (1,)), ((), ())))  # [n, i]
   if x.shape[1] <= dy.shape[1]:
-    dkernel = _matrix_product(barrier(x.T), dy)  # [i, n] @ [n, o]
+    dkernel = matrix_product(barrier(x.T), dy)  # [i, n] @ [n, o]
   else:
     # Transpose dy instead (the FFN's output projection: dy [n, m] is 4x smaller than
     # x [n, d_ff]), then the small [o, i] result.
-    dkernel = barrier(_matrix_product(barrier(dy.T), x)).T  # ([o, n] @ [n, i])^T
+    dkernel = barrier(matrix_product(barrier(dy.T), x)).T  # ([o, n] @ [n, i])^T
   return dx, dkernel
 
 
