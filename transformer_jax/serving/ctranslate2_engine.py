@@ -65,10 +65,10 @@ def require():
 def check_dtype(dtype: str | None, quantization: str | None) -> None:
   """--dtype with this engine: refused, in one line, unless it is what CTranslate2 computes in
   (float32 weights), before anything is exported. Not mapped to a compute_type: this engine
-  runs on the CPU, where CTranslate2 4.8.5 computes in int8, int8_float32, int16 or float32 only
-  (`get_supported_compute_types('cpu')`); asked for bfloat16 or float16 there it refuses to load
-  the model (a ValueError: the backend does not support efficient bfloat16 computation). Its
-  precision is --quantization's."""
+  runs on the CPU, where CTranslate2 4.8.5 computes in int8, int8_float32, float32 and, on an
+  Intel CPU (MKL), int16 only (`get_supported_compute_types('cpu')`); asked for bfloat16 or
+  float16 there it refuses to load the model (a ValueError: the backend does not support
+  efficient bfloat16 computation). Its precision is --quantization's."""
   quantization = quantization or DEFAULT_QUANTIZATION
   if dtype is None or (dtype == 'float32' and quantization == 'float32'):
     return
