@@ -108,10 +108,21 @@ def _run_pair(workdir, config_path, preempt_after_step=None, limit_s=360):
     reader.join(timeout=10)
   log_0, log_1 = (''.join(out) for out in outputs)
   assert not hung, (
-    f'processes {hung} still running after {limit_s} s:\n{log_0[-3000:]}{log_1[-3000:]}'
+    f'processes {hung} still running after {limit_s} s:\n{_failure(log_0)}{_failure(log_1)}'
   )
-  assert codes == [0, 0], log_0[-3000:] + log_1[-3000:]
+  assert codes == [0, 0], _failure(log_0) + _failure(log_1)
   return log_0, log_1
+
+
+def _failure(log: str) -> str:
+  """What a dead process said: its fatal lines (absl's F-lines and Python's 'Fatal Python error',
+  which a faulthandler dump of every thread would push out of a plain tail) and its last lines."""
+  fatal = [
+    line
+    for line in log.splitlines()
+    if line.startswith('F') and line[1:5].isdigit() or 'Fatal Python error' in line
+  ]
+  return '\n'.join(fatal[:10]) + '\n...\n' + log[-3000:]
 
 
 def _final_eval_line(log: str) -> str:
@@ -130,7 +141,7 @@ def test_two_processes_equal_one_stop_together_and_resume_in_one(tmp_path, data_
   finally:
     if reference.poll() is None:
       reference.kill()
-  assert reference.returncode == 0, reference_log[-3000:]
+  assert reference.returncode == 0, _failure(reference_log)
   assert 'process 0 of 2: 2 local of 4 devices' in log_0
   saved = [line for line in log_0.splitlines() if 'preemption received: checkpoint saved' in line]
   assert saved, log_0[-3000:]  # Process 0 stopped too, though only process 1 got the signal.
