@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from transformer_jax.search import candidates as search_candidates
-from transformer_jax.search import decode
+from transformer_jax.search import decode, sampling
 from transformer_jax.search.decode import (
   beam_search,
   beam_search_uncached,
@@ -25,9 +25,10 @@ BIG = 1e6  # forces/forbids a token whatever the random part says
 
 class ToyModel:
   """Causal toy: logits_i = T[x_i] + U[x_{i-1}] + P[i] (+ masks), where EOS is
-  forced at position eos_pos[b] and forbidden elsewhere, and PAD is never
-  chosen. Depending on x_{i-1} too means the cached step must carry real state
-  (the previous token), not only a position counter. With beam_size > 1 the
+  forced at position eos_pos[b] and forbidden elsewhere, and PAD and BOS are
+  never chosen (the searches mask them too: test_no_search_chooses_bos_and_...). Depending
+  on x_{i-1} too means the cached step must carry real state (the previous token), not only a
+  position counter. With beam_size > 1 the
   callables take batch * beam_size batch-major rows (beam search's rows).
   """
 
@@ -46,7 +47,7 @@ class ToyModel:
     eos_sign = xp.where(xp.asarray(self.row_eos_pos) == pos, BIG, -BIG)
     mask = (
       xp.where(vocab_ids == EOS, 1.0, 0.0)[None] * eos_sign[:, None]
-      - xp.where(vocab_ids == PAD, BIG, 0.0)[None]
+      - xp.where((vocab_ids == PAD) | (vocab_ids == BOS), BIG, 0.0)[None]
     )  # [b, V]
     logits = xp.asarray(self.t)[cur] + xp.asarray(self.u)[prev]
     return (logits + xp.asarray(self.p)[pos] + mask).astype(xp.float32)
@@ -174,14 +175,14 @@ def _beam_kwargs(model, beam_size, alpha=0.6):
 
 
 def _sequence_scores(np_logits_fn, tokens, alpha):
-  """NumPy reference: log P(y) (PAD excluded) / ((5 + |y|) / 6) ** alpha for
+  """NumPy reference: log P(y) (PAD and BOS excluded) / ((5 + |y|) / 6) ** alpha for
   every returned beam, recomputed from the logits along tokens [b, k, L]."""
   tokens = np.asarray(tokens)
   b, k, length = tokens.shape
   rows = tokens.reshape(b * k, length)
   inputs = np.concatenate([np.full((b * k, 1), BOS), rows[:, :-1]], axis=1)
   logits = np.asarray(np_logits_fn(inputs), np.float64)
-  logits[..., PAD] = -np.inf
+  logits[..., [PAD, BOS]] = -np.inf
   logp = (
     logits
     - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True))
@@ -219,6 +220,44 @@ def test_beam_size_one_equals_greedy(alpha):
 
 
 TRAP_A, TRAP_B, TRAP_VOCAB = 3, 4, 10  # tokens 5..9: fillers
+
+
+def _bos_first_logits_fn(inputs):
+  """BOS the likeliest token after every prefix: 0.5, then A 0.3 and EOS 0.2 after BOS, EOS 0.4
+  and A 0.1 after A (TRAP_A); every other token ~0."""
+  table = np.full((TRAP_VOCAB, TRAP_VOCAB), -1e9, np.float32)
+  table[:, BOS] = np.log(0.5)
+  table[:, TRAP_A], table[:, EOS] = np.log(0.1), np.log(0.4)
+  table[BOS, TRAP_A], table[BOS, EOS] = np.log(0.3), np.log(0.2)
+  return jnp.asarray(table)[inputs]
+
+
+def test_no_search_chooses_bos_nor_counts_its_probability():
+  """BOS is never a prediction (candidates.mask_never_predicted): every search chooses and
+  scores from the softmax without it. Greedy writes A, EOS with log-prob log(0.3 / 0.5) +
+  log(0.4 / 0.5); beam 2 ranks A, EOS (0.48) above EOS (0.4), which it would not with BOS
+  counted (0.12 against 0.2)."""
+  kwargs = dict(batch_size=1, max_decode_len=4, bos_id=BOS, eos_id=EOS, pad_id=PAD)
+  greedy = greedy_search_uncached(_bos_first_logits_fn, **kwargs)
+  np.testing.assert_array_equal(greedy, [[TRAP_A, EOS, PAD, PAD]])
+  tokens, log_probs = sampling.sample_search_uncached(
+    _bos_first_logits_fn, keys=jax.random.split(jax.random.key(0), 1), top_k=1, **kwargs
+  )
+  np.testing.assert_array_equal(tokens, greedy)
+  np.testing.assert_allclose(log_probs, [np.log(0.6 * 0.8)], rtol=1e-6)
+  tokens, scores = beam_search_uncached(_bos_first_logits_fn, beam_size=2, alpha=0.0, **kwargs)
+  np.testing.assert_array_equal(tokens[0], [[TRAP_A, EOS, PAD, PAD], [EOS, PAD, PAD, PAD]])
+  np.testing.assert_allclose(scores[0], np.log([0.6 * 0.8, 0.4]), rtol=1e-6)
+  # Sampling draws from the softmax without BOS: A's share of first tokens is 0.3 / 0.5.
+  draws = 400
+  rows = dict(kwargs, batch_size=draws)
+  tokens, _ = sampling.sample_search_uncached(
+    _bos_first_logits_fn, keys=jax.random.split(jax.random.key(1), draws), **rows
+  )
+  tokens = np.asarray(tokens)
+  assert BOS not in tokens
+  share = np.mean(tokens[:, 0] == TRAP_A)
+  assert abs(share - 0.6) < 4 * np.sqrt(0.6 * 0.4 / draws), share
 
 
 def _trap_logits_fn(inputs, xp=jnp):
@@ -552,18 +591,26 @@ def test_top_k_by_blocks_is_top_k(n, ties):
 @pytest.mark.parametrize('vocab', [5, 300])
 def test_best_extensions_equal_a_top_k_over_every_extension(vocab):
   """The per-beam top-k then top-k over beam x count equals the search's former step: a
-  log-softmax over the whole vocabulary (PAD excluded) and one top-k over beam x vocab, with
-  forced EOS, dead beams and tied logits."""
+  log-softmax over the whole vocabulary (PAD and BOS excluded) and one top-k over beam x vocab, with
+  forced EOS, dead beams and tied logits. BOS, the best logit of sentence 0, is left out of
+  both, as PAD is."""
   b, k, count = 3, 4, 8
   rng = np.random.default_rng(vocab)
   logits = np.round(rng.normal(size=(b, k, vocab)), 1).astype(np.float32)  # ties
+  logits[0, :, BOS] = 5.0
   alive = rng.normal(size=(b, k)).astype(np.float32)
   alive[1, 2:] = -np.inf  # dead beams
   only_eos = np.array([False, False, True])
   scores, parent, token = search_candidates.best_extensions(
-    jnp.asarray(logits), jnp.asarray(alive), jnp.asarray(only_eos), count, eos_id=EOS, pad_id=PAD
+    jnp.asarray(logits),
+    jnp.asarray(alive),
+    jnp.asarray(only_eos),
+    count,
+    eos_id=EOS,
+    pad_id=PAD,
+    bos_id=BOS,
   )
-  logp = jax.nn.log_softmax(jnp.asarray(logits).at[..., PAD].set(-jnp.inf))
+  logp = jax.nn.log_softmax(jnp.asarray(logits).at[..., [PAD, BOS]].set(-jnp.inf))
   logp = jnp.where(only_eos[:, None, None] & (jnp.arange(vocab) != EOS), -jnp.inf, logp)
   candidates = jnp.where(alive[:, :, None] == -jnp.inf, -jnp.inf, alive[:, :, None] + logp)
   expected, index = jax.lax.top_k(candidates.reshape(b, k * vocab), count)
@@ -572,6 +619,7 @@ def test_best_extensions_equal_a_top_k_over_every_extension(vocab):
   np.testing.assert_array_equal(np.asarray(parent)[finite], (index // vocab)[finite])
   np.testing.assert_array_equal(np.asarray(token)[finite], (index % vocab)[finite])
   assert (np.asarray(token)[2][np.isfinite(scores[2])] == EOS).all()
+  assert BOS not in np.asarray(token)[np.isfinite(scores)]
 
 
 # --- Beam search, rule 'ctranslate2' -------------------------------------------

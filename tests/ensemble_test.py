@@ -157,13 +157,14 @@ def test_two_checkpoints_decode_greedily_the_argmax_of_their_mean_probabilities(
   src = _source_ids(members[0])
   decode = functools.partial(ensemble_greedy_decode, models, max_decode_len=MAX_DECODE_LEN)
   tokens = np.asarray(jax.jit(decode)(params, src))
-  # Each model's own probabilities along the ensemble's output (teacher forcing), PAD excluded
-  # as the searches exclude it: at every step the ensemble took the argmax of their mean.
+  # Each model's own probabilities along the ensemble's output (teacher forcing), PAD and BOS
+  # excluded as the searches exclude them: at every step the ensemble took the argmax of their
+  # mean.
   target_in = np.concatenate([np.full((len(src), 1), BOS_ID), tokens[:, :-1]], axis=1)
   probs = []
   for model, p in zip(models, params):
     logits = np.asarray(model.apply({'params': p}, src, target_in), np.float64)
-    logits[..., PAD_ID] = -np.inf
+    logits[..., [PAD_ID, BOS_ID]] = -np.inf
     probs.append(_softmax(logits))
   mean = (probs[0] + probs[1]) / 2
   lengths = [len(ids) + 1 for ids in strip_after_eos(tokens, EOS_ID, pad_id=PAD_ID)]

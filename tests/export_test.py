@@ -278,15 +278,16 @@ def _pieces(pieces, ids):
 
 
 def _our_log_probs(model, params, src, tgt, length=None):
-  """Our model's log-probs [rows, length, vocab] (PAD excluded, as our searches do) after the
-  target prefixes BOS + tgt, for the sources src + EOS; rows are padded to `length`."""
+  """Our model's log-probs [rows, length, vocab] (PAD and BOS excluded, as our searches do)
+  after the target prefixes BOS + tgt, for the sources src + EOS; rows are padded to
+  `length`."""
   length = length or max(map(len, src + tgt)) + 1
   src_ids, tgt_in = np.zeros((2, len(src), length), np.int32)
   for row, (s, t) in enumerate(zip(src, tgt)):
     src_ids[row, : len(s) + 1] = s + [EOS_ID]
     tgt_in[row, : len(t) + 1] = [BOS_ID] + t
   logits = jax.jit(model.apply)({'params': params}, src_ids, tgt_in)
-  return np.asarray(jax.nn.log_softmax(logits.at[..., PAD_ID].set(-jnp.inf)))
+  return np.asarray(jax.nn.log_softmax(logits.at[..., [PAD_ID, BOS_ID]].set(-jnp.inf)))
 
 
 def _target_log_probs(log_probs, tgt):
@@ -358,7 +359,7 @@ CONVENTIONS = (
   'interleaved sinusoids',
   'layer norm epsilon',
   'sqrt(d_model) embedding scale',
-  'PAD never predicted',
+  'PAD and BOS never predicted',
   'EOS ends the source',
   'decoding starts from BOS',
 )
@@ -374,7 +375,7 @@ def _without(spec, convention):
     spec.config.layer_norm_epsilon = None  # CTranslate2's 1e-5.
   elif convention == 'sqrt(d_model) embedding scale':
     spec.encoder.scale_embeddings = spec.decoder.scale_embeddings = False
-  elif convention == 'PAD never predicted':
+  elif convention == 'PAD and BOS never predicted':
     spec.decoder.projection.bias = optional
   elif convention == 'EOS ends the source':
     spec.config.add_source_eos = False

@@ -56,13 +56,13 @@ class Toy:
     return logits_fn
 
   def log_probs(self, tokens):
-    """float64 log-softmax (PAD excluded) [rows, L, V] of every position of tokens [rows, L],
-    recomputed by one uncached pass of [BOS, tokens[:-1]] (rows: batch-major beams)."""
+    """float64 log-softmax (PAD and BOS excluded) [rows, L, V] of every position of tokens
+    [rows, L], recomputed by one uncached pass of [BOS, tokens[:-1]] (rows: batch-major beams)."""
     tokens = np.asarray(tokens)
     beam_size = tokens.shape[0] // SENTENCES
     inputs = np.concatenate([np.full((len(tokens), 1), BOS), tokens[:, :-1]], axis=1)
     logits = np.asarray(self.logits_fn(beam_size)(jnp.asarray(inputs, jnp.int32)), np.float64)
-    logits[..., PAD] = -np.inf
+    logits[..., [PAD, BOS]] = -np.inf
     top = logits.max(-1, keepdims=True)
     return logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
 
@@ -142,8 +142,16 @@ def test_beam_hypotheses_start_with_the_prefix_and_score_its_log_probability(rul
   free_tokens, free_scores = _beam(beam_size, rule)
   np.testing.assert_array_equal(tokens[0], free_tokens[0])
   np.testing.assert_allclose(scores[0], free_scores[0], rtol=1e-6)
-  # Forcing changed the others' hypotheses.
-  assert all((tokens[s] != np.asarray(free_tokens[s])).any() for s in (1, 2, 3))
+  # Forcing changed the hypotheses of every sentence whose free ones do not all start with its
+  # prefix (at least 3 of them).
+  free_tokens = np.asarray(free_tokens)
+  changed = [
+    s
+    for s in range(1, SENTENCES)
+    if (free_tokens[s, :, : LENGTHS[s]] != prefix[s, : LENGTHS[s]]).any()
+  ]
+  assert len(changed) >= 3
+  assert all((tokens[s] != free_tokens[s]).any() for s in changed)
 
 
 def test_sampling_starts_with_the_prefix_and_counts_its_log_probability():

@@ -14,7 +14,7 @@ import pytest
 
 from transformer_jax.common.errors import UserInputError
 from transformer_jax.data import number_words
-from transformer_jax.data.tokenizer import EOS_ID, PAD_ID
+from transformer_jax.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
 from transformer_jax.exporters import ctranslate2_spec
 from transformer_jax.inference import scoring, text_files
 from transformer_jax.inference.decoding import beam_decode, teacher_forcing_inputs
@@ -95,13 +95,13 @@ def test_the_mean_nll_is_the_eval_loss_without_label_smoothing(translator):
   metrics = evaluate(translator.params, {'inputs': src, 'targets': tgt})
   eval_loss = float(metrics['loss_sum'] / metrics['token_count'])
   full_vocabulary = scoring.jitted_target_log_probs(
-    translator.model, translator.params, src, tgt, exclude_pad=False
+    translator.model, translator.params, src, tgt, exclude_pad_and_bos=False
   )
   tokens = sum(len(t) for _, t in pairs)
   assert float(metrics['token_count']) == tokens
   assert -float(np.sum(full_vocabulary)) / tokens == pytest.approx(eval_loss, abs=1e-5)
-  # Without PAD in the normaliser (the searches' and CTranslate2's convention) every token's
-  # log-prob is log(p / (1 - p_pad)): higher, never lower.
+  # Without PAD and BOS in the normaliser (the searches' and CTranslate2's convention) every
+  # token's log-prob is log(p / (1 - p_pad - p_bos)): higher, never lower.
   without_pad = scoring.jitted_target_log_probs(translator.model, translator.params, src, tgt)
   real = tgt != PAD_ID
   assert np.all(np.asarray(without_pad)[real] > np.asarray(full_vocabulary)[real])
@@ -124,7 +124,8 @@ def test_the_mean_nll_is_the_eval_loss_without_label_smoothing(translator):
   logits = translator.model.apply(
     {'params': translator.params}, src, teacher_forcing_inputs(tgt)
   )  # [b, t, v]
-  logits = np.where(np.arange(vocab) == PAD_ID, -np.inf, np.asarray(logits, np.float64))
+  never = np.isin(np.arange(vocab), [PAD_ID, BOS_ID])
+  logits = np.where(never, -np.inf, np.asarray(logits, np.float64))
   direct = (
     np.take_along_axis(logits, np.asarray(tgt)[..., None], -1)[..., 0]
     - np.log(np.sum(np.exp(logits - logits.max(-1, keepdims=True)), -1))

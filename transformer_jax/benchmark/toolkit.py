@@ -49,7 +49,7 @@ from transformer_jax.benchmark import ctranslate2_comparison
 from transformer_jax.benchmark.decoding import suppress_eos
 from transformer_jax.benchmark.flops import training_flops
 from transformer_jax.benchmark.training import synthetic_ids, synthetic_lengths
-from transformer_jax.data.tokenizer import EOS_ID, PAD_ID
+from transformer_jax.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
 from transformer_jax.inference.decoding import source_bucket, teacher_forcing_inputs
 from transformer_jax.inference.scoring import jitted_target_log_probs
 from transformer_jax.inference.translator import Translator
@@ -118,10 +118,11 @@ def _capped_model(cfg: TransformerConfig, params, max_len: int):
 
 @functools.partial(jax.jit, static_argnames=('model',))
 def _where_mask_log_probs(model, params, src, tgt):
-  """target_log_probs' values [b, t] from the whole logits [b, t, v], PAD excluded by a `where`,
-  one log-sum-exp (`score_program_where_mask`)."""
+  """target_log_probs' values [b, t] from the whole logits [b, t, v], PAD and BOS excluded by a
+  `where`, one log-sum-exp (`score_program_where_mask`)."""
   logits = model.apply({'params': params}, src, teacher_forcing_inputs(tgt)).astype(jnp.float32)
-  logits = jnp.where(jnp.arange(logits.shape[-1]) == PAD_ID, -jnp.inf, logits)  # [b, t, v]
+  ids = jnp.arange(logits.shape[-1])
+  logits = jnp.where((ids == PAD_ID) | (ids == BOS_ID), -jnp.inf, logits)  # [b, t, v]
   picked = jnp.take_along_axis(logits, tgt[..., None], axis=-1)[..., 0]
   return jnp.where(tgt == PAD_ID, 0.0, picked - jax.nn.logsumexp(logits, axis=-1))
 

@@ -26,9 +26,9 @@ format. What differs silently between the two codebases, and how each difference
   special ids   pad=0, eos=1, bos=2, unk=3 (data/tokenizer.py). The vocabulary is written from
                 the SentencePiece model in id order; sources end with EOS (`add_source_eos`), no
                 BOS; decoding starts from BOS (`decoder_start_token`). Our searches never predict
-                PAD (search/decode.py masks it): the output layer gets a bias that is 0 except
-                -1e4 at PAD, which gives PAD zero probability and leaves every other log-prob
-                unchanged.
+                PAD or BOS (search.candidates.mask_never_predicted): the output layer gets a
+                bias that is 0 except -1e4 at PAD and BOS, which gives them zero probability
+                and leaves every other log-prob unchanged.
   decoding      beam search here ranks by log P / ((5 + |y|) / 6)^alpha (GNMT), CTranslate2 by
                 log P / |y|^length_penalty (|y| counting EOS in both): `translate` asks
                 CTranslate2 for all beam_size hypotheses with plain log-probs and ranks them by
@@ -81,7 +81,8 @@ TARGET_SENTENCEPIECE_FILE = ctranslate2_runtime.TARGET_SENTENCEPIECE_FILE
 # for the README's tokenization (`stablehlo_runner.marian_encode`).
 MARIAN_RULES_FILE = 'marian_rules.json'
 README_FILE = 'README.md'
-# Added to PAD's output logit: exp(-1e4) is 0 in every float type, and -1e4 is finite in float16.
+# Added to PAD's and BOS's output logits: exp(-1e4) is 0 in every float type, and -1e4 is
+# finite in float16.
 PAD_LOGIT_BIAS = -1e4
 
 # TransformerConfig.ffn_activation -> the name of its `ctranslate2.specs.common_spec.Activation`.
@@ -255,7 +256,7 @@ def model_spec(config: TransformerConfig, params, tokenizer: Tokenizer):
   bias = np.zeros((config.vocab_size,), np.float32)
   if config.logits_bias:
     bias += _array(params['logits_bias'])
-  bias[PAD_ID] = PAD_LOGIT_BIAS
+  bias[[PAD_ID, BOS_ID]] = PAD_LOGIT_BIAS  # Never predicted (search.candidates)
   decoder.projection.bias = bias
 
   pieces = vocabulary(tokenizer)

@@ -38,18 +38,19 @@ two codebases, and how each difference is bridged (huggingface_weights.py maps t
   special ids   ours PAD 0, EOS 1, BOS 2, UNK 3, then the pieces; MarianMT's </s> 0, <unk> 1,
                 the pieces, <pad> last, which is also the decoder's start. Every table's rows
                 are taken at MarianMT's ids: our EOS, UNK, pieces 4.., and our BOS at <pad>
-                (so the start embedding is BOS's). <pad>'s logit is BOS's for a model trained
-                here (transformers' beam search takes the log-softmax before bad_words_ids, so
-                it sums over what ours sums over, every id but PAD), and PAD's for an HF
-                import, whose BOS the importer masked 30 under PAD's bias (15 under or more:
-                huggingface_weights.pad_is_predicted): our softmax sums PAD's
-                logit, not BOS's, and fine-tuning moves PAD's row and bias. Where one shared
+                (so the start embedding is BOS's). Our searches and scores never predict PAD or
+                BOS nor count them in the softmax (search.candidates.mask_never_predicted);
+                transformers' beam search takes its log-softmax before bad_words_ids, so it
+                counts <pad>'s probability, which a trained model holds near 0. <pad>'s logit
+                is BOS's for a model trained here, and PAD's for an HF import, whose PAD holds
+                the checkpoint's <pad> logit and whose BOS the importer masked 30 under it (15
+                under or more: huggingface_weights.pad_is_predicted), so export(import(X)) is
+                X; fine-tuning moves PAD's row and bias. Where one shared
                 table's PAD and BOS rows then differ, one <pad> row cannot be both: the tables
                 are written apart (share_encoder_decoder_embeddings and tie_word_embeddings
                 false), exact. Our other PAD row is not exported: our searches never predict
                 PAD, and padding is masked in both. BOS is no prediction in MarianMT
-                (bad_words_ids [[<pad>]], as Helsinki-NLP ships); ours never predicts it
-                either once trained (BOS is no target).
+                (bad_words_ids [[<pad>]], as Helsinki-NLP ships) nor in ours.
   vocabulary    vocab.json: our pieces at those ids; source.spm / target.spm: our SentencePiece
                 models (without our MarianTokenizer-rules field). Ids a side's vocabulary
                 lacks (an import's, read as <unk> on that side) are left out of its vocab.json,

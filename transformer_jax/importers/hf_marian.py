@@ -20,9 +20,15 @@ target.spm, and returns what `workdir_writer.write` takes:
              EOS=1, BOS=2, UNK=3, then vocab.json's ids from 2 on, then target_vocab.json's
              pieces vocab.json lacks (hf_vocabulary: both sides in one id space). The <pad> row
              becomes both our PAD and BOS rows, so our BOS at position 0 is HF's decoder start.
-             Our PAD's logit is the target's <pad> logit, which our searches and scores leave
-             out, as the Helsinki-NLP generation configs do (bad_words_ids [[pad]]); BOS and
-             every id that is no target piece get MASKED_LOGIT_BIAS.
+             Our PAD's logit is the target's <pad> logit; BOS and every id that is no target
+             piece get MASKED_LOGIT_BIAS, so the training loss (over every id) is
+             MarianMTModel's. Our searches and scores never predict PAD or BOS and leave them
+             out of the softmax (search.candidates.mask_never_predicted), as Marian, which has
+             no <pad>, and CTranslate2's converter, which removes it, do; transformers never
+             predicts <pad> either (bad_words_ids [[pad]], as Helsinki-NLP ships) but its beam
+             search counts <pad>'s probability in the log-softmax it ranks by. Greedy is
+             therefore the same search; beam scores differ by that probability, which can turn
+             a near tie (tests/import_hf_test.py: >= 98% the same).
   embeddings tied as MarianMTModel ties them: with tie_word_embeddings, the shared table (or the
              decoder's, without share_encoder_decoder_embeddings) is the output too; without,
              transformers ties nothing. scale_embedding=False (our embedder always multiplies by

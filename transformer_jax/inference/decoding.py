@@ -257,7 +257,7 @@ def target_log_probs(
   src_ids: jax.Array,
   tgt_ids: jax.Array,
   *,
-  exclude_pad: bool = True,
+  exclude_pad_and_bos: bool = True,
   rows_per_chunk: int | None = None,
   vocabulary_block: int | None = None,
 ) -> jax.Array:
@@ -265,7 +265,7 @@ def target_log_probs(
 
   src_ids [b, s]: source pieces + EOS, then PAD; tgt_ids [b, t]: target pieces + EOS, then
   PAD. Teacher forcing: the decoder reads BOS + target and predicts target + EOS, in one
-  forward pass. PAD positions get 0. `exclude_pad`: see the module docstring.
+  forward pass. PAD positions get 0. `exclude_pad_and_bos`: see inference/scoring.py's docstring.
 
   Each target position needs its token's logit and the log-sum-exp of its logits, never the
   logits themselves: the output projection runs `vocabulary_block` entries at a time, each
@@ -303,8 +303,8 @@ def target_log_probs(
       )  # [rows, block]
       ids = start + jnp.arange(vocabulary_block)
       excluded = ids < first
-      if exclude_pad:
-        excluded = excluded | (ids == PAD_ID)
+      if exclude_pad_and_bos:
+        excluded = excluded | (ids == PAD_ID) | (ids == BOS_ID)
       logits = jnp.where(excluded, -jnp.inf, logits)
       new_max = jnp.maximum(running_max, jnp.max(logits, axis=-1))
       running_sum = running_sum * jnp.exp(running_max - new_max) + jnp.sum(

@@ -41,7 +41,7 @@ def members_steps(models: Sequence[Transformer], params: Sequence, src_ids, weig
   """The members as one `search.Steps`: each member's model steps (`decoding.model_steps`:
   its own encoding of the source, its own cache), mixed (`search.ensemble.ensemble_steps`)."""
   members = [model_steps(model, p, src_ids) for model, p in zip(models, params)]
-  return ensemble_steps(members, weights, pad_id=PAD_ID)
+  return ensemble_steps(members, weights, pad_id=PAD_ID, bos_id=BOS_ID)
 
 
 def ensemble_greedy_decode(
@@ -91,7 +91,7 @@ def ensemble_target_log_probs(
   models: Sequence[Transformer], params: Sequence, src_ids, tgt_ids, weights=None
 ) -> jax.Array:
   """`decoding.target_log_probs` for an ensemble: each target token's log-probability under
-  the mixture log(sum_m w_m p_m), PAD excluded from every member's softmax: float32 [b, t].
+  the mixture log(sum_m w_m p_m), PAD and BOS excluded from every member's softmax: float32 [b, t].
   The mixture at a token needs only each member's probability of that token, so each member
   scores alone (its logits reduced block by block, never all stored) and the scores are mixed."""
   members = [target_log_probs(model, p, src_ids, tgt_ids) for model, p in zip(models, params)]

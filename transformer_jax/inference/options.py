@@ -178,8 +178,8 @@ class Hypothesis:
 
   # The detokenized translation.
   text: str
-  # log P(pieces, EOS | source): the prefix's pieces and the EOS counted, PAD excluded from the
-  # softmax (as `Translator.score` and CTranslate2's score_batch count).
+  # log P(pieces, EOS | source): the prefix's pieces and the EOS counted, PAD and BOS excluded
+  # from the softmax (as `Translator.score` and CTranslate2's score_batch count).
   log_prob: float
   # log_prob / ((5 + tokens) / 6)^alpha: what beam search ranks by (at alpha 0, log_prob).
   score: float

@@ -5,11 +5,12 @@ Conventions (those of our searches and of CTranslate2's `score_batch`):
 - the target's EOS is scored and counted: a pair's `tokens` is its target pieces + 1, and its
   `log_prob` is log P(target pieces, EOS | source), the quantity beam search ranks (at alpha 0
   its scores are exactly these sums);
-- PAD is no prediction: log-probs are normalised over the vocabulary without PAD, as the
-  searches do (`search.candidates.mask_pad`) and as the CTranslate2 export does (its PAD logit
-  bias). The training loss normalises over the whole vocabulary; `target_log_probs` with
-  `exclude_pad=False` gives its log-probs (its mean NLL is the eval loss at label smoothing 0).
-  For a trained model PAD's probability is negligible and the two agree closely.
+- PAD and BOS are no predictions: log-probs are normalised over the vocabulary without them,
+  as the searches do (`search.candidates.mask_never_predicted`) and as the CTranslate2 export
+  does (their logit bias). The training loss normalises over the whole vocabulary;
+  `target_log_probs` with `exclude_pad_and_bos=False` gives its log-probs (its mean NLL is the
+  eval loss at label smoothing 0). For a trained model their probability is negligible and the
+  two agree closely.
 
 `score_pairs` (the `Translator.score` method) sorts pairs by length into batches as
 `Translator.translate` does; the `score` command's file handling is `text_files.score_files`.
@@ -36,7 +37,7 @@ BATCHES_IN_FLIGHT = 4
 
 jitted_target_log_probs = jax.jit(
   target_log_probs,
-  static_argnames=('model', 'exclude_pad', 'rows_per_chunk', 'vocabulary_block'),
+  static_argnames=('model', 'exclude_pad_and_bos', 'rows_per_chunk', 'vocabulary_block'),
 )
 
 

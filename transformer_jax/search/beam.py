@@ -136,6 +136,7 @@ def _beam_loop(
       2 * k,
       eos_id=eos_id,
       pad_id=pad_id,
+      bos_id=bos_id,
       forced=forcing.prefix_at(step),
     )
     after_prefix = None
@@ -240,7 +241,7 @@ def beam_search(
   """Beam search with an incremental cache and the GNMT length penalty.
 
   Scores are log P(y) / ((5 + |y|) / 6) ** alpha with |y| the number of
-  generated tokens including EOS (log-probs over the vocabulary without PAD;
+  generated tokens including EOS (log-probs over the vocabulary without PAD and BOS;
   alpha >= 0, 0 meaning plain log-probs).
   Each step extends every alive beam by every token, takes the top 2k of those
   candidates, moves the ones ending in EOS to a sentence's finished set (its k

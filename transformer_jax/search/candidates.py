@@ -11,15 +11,21 @@ import jax
 import jax.numpy as jnp
 
 
-def mask_pad(logits: jax.Array, pad_id: int) -> jax.Array:
-  """Padding is never a prediction: an emitted pad would be masked as padding
-  by a model that recomputes the prefix but attended to by one with a cache,
-  and they would diverge. logits: [..., vocab].
+def mask_never_predicted(logits: jax.Array, pad_id: int, bos_id: int | None = None) -> jax.Array:
+  """PAD and BOS are never predictions: every search and score leaves them out of the softmax.
+  PAD: an emitted pad would be masked as padding by a model that recomputes the prefix but
+  attended to by one with a cache, and they would diverge. BOS only starts a target. A model
+  trained here learns its logit down, but counting it made the export to MarianMT, imported
+  back, another model: MarianMT's one <pad> is the decoder's start and an output class, and an
+  import masks the BOS it becomes (exporters/huggingface.py). Marian has no <pad> either, and
+  CTranslate2's converter removes it. logits: [..., vocab].
 
   A `where` against the vocabulary's ids rather than a scatter into a copy of the logits: the
   same values, and it fuses with what reads them (on an H200 the scatter cost scoring's
   program 1.17-1.58x; bench/README.md, issue 27)."""
-  return jnp.where(jnp.arange(logits.shape[-1]) == pad_id, -jnp.inf, logits)
+  ids = jnp.arange(logits.shape[-1])
+  never = ids == pad_id if bos_id is None else (ids == pad_id) | (ids == bos_id)
+  return jnp.where(never, -jnp.inf, logits)
 
 
 def top_k_block(n: int) -> int | None:
@@ -62,6 +68,7 @@ def best_extensions(
   *,
   eos_id: int,
   pad_id: int,
+  bos_id: int,
   forced: tuple[jax.Array, jax.Array] | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Each sentence's `count` best one-token extensions of its beams.
@@ -69,9 +76,9 @@ def best_extensions(
   logits [b, k, vocab], alive_logp float32[b, k] (-inf: no
   beam), only_eos bool[b] (at its max length a sentence may only end; EOS keeps
   its model log-prob). An extension scores alive_logp + log-softmax of the
-  logits over the vocabulary without PAD. Returns (scores float32[b, count],
-  parent beam int32[b, count], token int32[b, count]), best first, in the order
-  of one top_k over all k * vocab extensions (ties: lower beam, then token).
+  logits over the vocabulary without PAD and BOS (`mask_never_predicted`). Returns
+  (scores float32[b, count], parent beam int32[b, count], token int32[b, count]), best first,
+  in the order of one top_k over all k * vocab extensions (ties: lower beam, then token).
 
   A beam's best `count` tokens include all of its extensions among its
   sentence's best `count`, so a top_k per beam comes first (`top_k_by_blocks`)
@@ -90,7 +97,7 @@ def best_extensions(
   b, k, vocab = logits.shape
   neg_inf = jnp.float32(-jnp.inf)
   # In place (a where would be written out, once per consumer), then read in float32.
-  logits = mask_pad(logits, pad_id).astype(jnp.float32)
+  logits = mask_never_predicted(logits, pad_id, bos_id).astype(jnp.float32)
   per_beam = min(count, vocab)
   top_logits, tokens, block_max = top_k_by_blocks(logits, per_beam)  # [b, k, per_beam]
   row_max = jnp.max(block_max, axis=-1, keepdims=True)  # [b, k, 1]

@@ -136,7 +136,7 @@ def greedy_search_steps(
 ) -> tuple[jax.Array, jax.Array | None]:
   """`greedy_search` over a `Steps` (a model's or an ensemble's), one cache length:
   (tokens int32[b, max_decode_len], log_probs float32[b] with `scored`, else None), each
-  row's log-prob its tokens' (EOS and forced ones counted) under the model, PAD excluded."""
+  row's log-prob its tokens' (EOS and forced ones counted) under the model, PAD and BOS excluded."""
   tokens, log_probs, _ = token_loop(
     cached_next_logits(steps.step),
     steps.init_cache(max_decode_len, 1),

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer_jax.search.candidates import mask_pad
+from transformer_jax.search.candidates import mask_never_predicted
 from transformer_jax.search.steps import ExtendFn, ReorderFn, StepFn, Steps
 
 
@@ -40,13 +40,18 @@ def normalised_weights(weights: Sequence[float] | None, count: int) -> tuple[flo
 
 
 def combine_log_probs(
-  logits: Sequence[jax.Array], weights: Sequence[float] | None = None, *, pad_id: int | None = None
+  logits: Sequence[jax.Array],
+  weights: Sequence[float] | None = None,
+  *,
+  pad_id: int | None = None,
+  bos_id: int | None = None,
 ) -> jax.Array:
   """log(sum_m w_m * softmax(logits[m])) over the last axis: float32 [..., vocab].
 
-  logits: one array [..., vocab] per member (any float dtype; same shape). pad_id: a token the
-  searches never emit (`candidates.mask_pad`): each member's distribution is then normalised
-  without it, as the searches normalise a single model's, before the members are mixed.
+  logits: one array [..., vocab] per member (any float dtype; same shape). pad_id, bos_id: the
+  tokens the searches never emit (`candidates.mask_never_predicted`): each member's
+  distribution is then normalised without them, as the searches normalise a single model's,
+  before the members are mixed.
 
   Computed as best + log1p(sum_m w_m * expm1(lp_m - best)), best the members' largest
   log-prob per token (the log-sum-exp with the maximum factored out): where the members agree
@@ -57,7 +62,7 @@ def combine_log_probs(
   for member in logits:
     member = jnp.asarray(member, jnp.float32)
     if pad_id is not None:
-      member = mask_pad(member, pad_id)
+      member = mask_never_predicted(member, pad_id, bos_id)
     log_probs.append(jax.nn.log_softmax(member, axis=-1))
   return mix_log_probs(log_probs, weights)
 
@@ -80,13 +85,17 @@ def mix_log_probs(
 
 
 def ensemble_step_fn(
-  step_fns: Sequence[StepFn], weights: Sequence[float] | None = None, *, pad_id: int | None = None
+  step_fns: Sequence[StepFn],
+  weights: Sequence[float] | None = None,
+  *,
+  pad_id: int | None = None,
+  bos_id: int | None = None,
 ) -> StepFn:
   """One step function over a tuple of the members' caches: step_fn(token_ids, caches) ->
   (log-probs float32 [rows, vocab] of the mixture, new caches). Every member sees the same
-  tokens; `weights`, `pad_id`: as `combine_log_probs`. The log-probs stand for logits: right
-  for every search of `decode` (softmax-invariant). A search that transforms logits before
-  the softmax (a sampling temperature) then transforms the mixture's log-probs."""
+  tokens; `weights`, `pad_id`, `bos_id`: as `combine_log_probs`. The log-probs stand for
+  logits: right for every search of `decode` (softmax-invariant). A search that transforms
+  logits before the softmax (a sampling temperature) then transforms the mixture's log-probs."""
   step_fns = tuple(step_fns)
   weights = normalised_weights(weights, len(step_fns))
 
@@ -94,7 +103,9 @@ def ensemble_step_fn(
     if len(caches) != len(step_fns):
       raise ValueError(f'{len(caches)} caches for {len(step_fns)} ensemble members')
     results = [member(token_ids, cache) for member, cache in zip(step_fns, caches)]
-    combined = combine_log_probs([logits for logits, _ in results], weights, pad_id=pad_id)
+    combined = combine_log_probs(
+      [logits for logits, _ in results], weights, pad_id=pad_id, bos_id=bos_id
+    )
     return combined, tuple(cache for _, cache in results)
 
   return step_fn
@@ -121,7 +132,11 @@ def ensemble_extend(extends: Sequence[ExtendFn]) -> ExtendFn:
 
 
 def ensemble_steps(
-  members: Sequence[Steps], weights: Sequence[float] | None = None, *, pad_id: int | None = None
+  members: Sequence[Steps],
+  weights: Sequence[float] | None = None,
+  *,
+  pad_id: int | None = None,
+  bos_id: int | None = None,
 ) -> Steps:
   """The members' `Steps` as one: the mixture's step (`ensemble_step_fn`), the tuple of their
   caches made, reordered and grown each by its own functions. Members grow their caches
@@ -130,7 +145,9 @@ def ensemble_steps(
   first = members[0]
   grows = all(member.extend is not None for member in members)
   return Steps(
-    step=ensemble_step_fn([member.step for member in members], weights, pad_id=pad_id),
+    step=ensemble_step_fn(
+      [member.step for member in members], weights, pad_id=pad_id, bos_id=bos_id
+    ),
     init_cache=lambda positions, beam_size: tuple(
       member.init_cache(positions, beam_size) for member in members
     ),

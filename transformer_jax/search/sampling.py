@@ -327,8 +327,8 @@ def sample_search(
   Returns (tokens int32[batch_size, max_decode_len] in decode's convention, log_probs
   float32[batch_size]): each row's total log-probability of its tokens up to and including EOS
   (forced ones too) under the model's own distribution, i.e. temperature 1, unfiltered, over the
-  vocabulary without PAD, as beam search's scores (alpha 0) count them: a score for reranking
-  or filtering, not the probability of the draw.
+  vocabulary without PAD and BOS, as beam search's scores (alpha 0) count them: a score for
+  reranking or filtering, not the probability of the draw.
   """
   tokens, log_probs, _ = _sample_loop(
     cached_next_logits(step_fn),

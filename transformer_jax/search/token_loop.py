@@ -3,7 +3,7 @@ next logits, lets a `choose` function pick each row's token (greedy: the argmax;
 draw), takes the forced token instead where `prefix.Forcing` says so (a target prefix, then EOS
 at a row's length cap), writes it in the output convention of `decode`, and stops once every
 row has ended. With `scored`, each row's log-probability of its tokens (the model's own,
-temperature 1, unfiltered, PAD excluded) is summed in the same loop.
+temperature 1, unfiltered, PAD and BOS excluded) is summed in the same loop.
 
 Beam search (`beam`) keeps its own loop: its state is beams, not rows. Like the rest of
 `search`, this never imports the model.
@@ -16,7 +16,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from transformer_jax.search.candidates import mask_pad
+from transformer_jax.search.candidates import mask_never_predicted
 from transformer_jax.search.prefix import Forcing
 from transformer_jax.search.steps import LogitsFn
 
@@ -98,7 +98,8 @@ def token_loop(
 
   Returns (tokens int32[b, max_decode_len] in decode's convention, log_probs float32[b] with
   `scored` (else None), the final `extra`). A row's log-prob counts every token it wrote up to
-  and including its EOS, forced ones too, each under the model's own softmax (PAD excluded).
+  and including its EOS, forced ones too, each under the model's own softmax without PAD and BOS
+  (`candidates.mask_never_predicted`), which is also what the choice draws from.
   prefix, prefix_lengths, max_lengths: what `Forcing` forces (the prefix, then each row's cap).
   """
   check_lengths(batch_size, max_decode_len)
@@ -109,7 +110,7 @@ def token_loop(
   def body(state):
     step, token, out, finished, log_probs, extra = state
     logits, extra = next_logits(step, token, out, extra)
-    logits = mask_pad(logits, pad_id).astype(jnp.float32)
+    logits = mask_never_predicted(logits, pad_id, bos_id).astype(jnp.float32)
     chosen = choose(step, logits)  # [b]
     forced = forcing.at(step)
     if forced is not None:
